@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine (see README.md):
+#   make demo   - planned heterogeneous training run on this machine
+#   make test   - the test suite (what CI runs)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	# torch first and pinned: on a CPU machine this is the CPU wheel, not a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash examples/run_demo.sh
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

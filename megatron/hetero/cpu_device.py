@@ -1,0 +1,109 @@
+"""Run megatron-core on a machine without a GPU.
+
+megatron-core names the CUDA device in ~130 places (``device="cuda"``,
+``torch.cuda.current_device()``, ``.cuda()``, type checks against
+``'torch.cuda.FloatTensor'``). Patching each site would be a fork, so on a CPU-only
+process we reinterpret "cuda" as "this process's compute device", which is the CPU:
+
+- one ``TorchFunctionMode`` (torch's own ``with torch.device(...)`` is built the same way)
+  rewrites a ``device=`` of ``"cuda"``/``cuda:N``/an int to ``cpu``, makes ``Tensor.cuda()``
+  a no-op and lets ``Tensor.type()`` report the CUDA type name megatron checks for;
+- ``torch.cuda`` helpers that megatron calls unconditionally (``current_device``,
+  ``synchronize``, ``empty_cache``, the RNG state functions) act on the CPU;
+- megatron's own RNG tracker helpers act on the CPU generator, so the model-parallel RNG
+  tracker (used for dropout under tensor parallelism) keeps its meaning.
+
+Nothing here is active on a process that has a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare int names a CUDA ordinal in torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class CudaAsCpuMode(TorchFunctionMode):
+    """Maps every request for a CUDA device onto the CPU."""
+
+    def __torch_function__(self, func: Callable, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+_active_mode: CudaAsCpuMode | None = None
+
+
+def enable_cpu_device() -> list[str]:
+    """Installs the CPU reinterpretation of CUDA for the rest of the process.
+
+    Returns the names of what it replaced, for the patch listing.
+    """
+    global _active_mode
+    if torch.cuda.is_available():
+        raise RuntimeError("enable_cpu_device() is for processes without a GPU")
+    if _active_mode is not None:
+        return []
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    replaced = {
+        (torch.cuda, "current_device"): lambda: 0,
+        (torch.cuda, "synchronize"): lambda *a, **k: None,
+        (torch.cuda, "empty_cache"): lambda: None,
+        (torch.cuda, "get_rng_state"): _cpu_get_rng_state,
+        (torch.cuda, "set_rng_state"): _cpu_set_rng_state,
+        (torch.cuda.random, "get_rng_state"): _cpu_get_rng_state,
+        (torch.cuda.random, "set_rng_state"): _cpu_set_rng_state,
+        (torch.cuda, "manual_seed"): lambda seed: torch.manual_seed(seed),
+        (mcore_random, "_get_cuda_rng_state"): _cpu_get_rng_state,
+        (mcore_random, "_set_cuda_rng_state"): _cpu_set_rng_state,
+        (torch.cuda.nvtx, "range_push"): lambda *a, **k: None,
+        (torch.cuda.nvtx, "range_pop"): lambda *a, **k: None,
+    }
+    for (owner, name), replacement in replaced.items():
+        setattr(owner, name, replacement)
+    _active_mode = CudaAsCpuMode()
+    _active_mode.__enter__()
+    return [f"{owner.__name__}.{name}" for owner, name in replaced]

@@ -1,0 +1,223 @@
+"""Process start-up under a plan: who am I, am I what the plan says, then the groups.
+
+Order matters. Everything that can be wrong with the launch is checked *before* the
+first collective, and every rank reaches the same verdict, so a bad launch stops with the
+same clear message everywhere instead of hanging in a collective:
+
+1. the launch's world size against the plan (each rank checks alone);
+2. each rank's device against the plan's ``devices`` entry, exchanged through the
+   rendezvous key-value store (not a collective), so all ranks see every mismatch;
+3. only then ``init_process_group`` with the logical rank the plan assigns to this
+   process, and megatron-core's ``initialize_model_parallel``, whose default rank order
+   (tp fastest, then dp, then pp) is the plan's logical order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hetero.devices import CPU, device_type_matches
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher (torchrun) told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class FoundDevice:
+    device_type: str
+    vendor: str | None  # None: not known (an emulated device with no vendor given)
+    how: str  # where the identity came from, for error messages
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This process's place in the job, available after ``initialize``."""
+
+    launch: Launch
+    logical_rank: int
+    device: torch.device
+    backend: str
+
+
+def read_launch() -> Launch:
+    """Reads torchrun's variables; a bare ``python pretrain_gpt.py`` is a 1-process job."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    return Launch(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def check_world_size(plan: Plan, launch: Launch, plan_source: str) -> None:
+    if plan.world_size != launch.world_size:
+        raise HeteroError(
+            f"the plan {plan_source} is for {plan.world_size} processes "
+            f"(TP={plan.tensor_parallel} x PP={plan.pipeline_parallel} x "
+            f"DP={plan.data_parallel}) but this job was launched with {launch.world_size}; "
+            f"launch {plan.world_size} processes (e.g. `python -m hetero.launch {plan_source}` "
+            "prints the torchrun commands) or regenerate the plan for this cluster"
+        )
+
+
+def detect_device(local_rank: int) -> FoundDevice:
+    """This process's device: HETERO_DEVICE if set (emulation), else what torch sees.
+
+    HETERO_DEVICE is one device type, or a comma-separated list indexed by LOCAL_RANK
+    (torchrun gives every local rank the same environment). HETERO_VENDOR likewise.
+    """
+
+    def per_local_rank(variable: str) -> str | None:
+        value = os.environ.get(variable)
+        if not value:
+            return None
+        values = [v.strip() for v in value.split(",")]
+        if len(values) == 1:
+            return values[0]
+        if local_rank >= len(values):
+            raise HeteroError(
+                f"{variable}={value} lists {len(values)} devices but LOCAL_RANK is {local_rank}; "
+                "give one entry per local rank"
+            )
+        return values[local_rank]
+
+    override, vendor = per_local_rank("HETERO_DEVICE"), per_local_rank("HETERO_VENDOR")
+    if override:
+        return FoundDevice(override, vendor, "HETERO_DEVICE")
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(local_rank % torch.cuda.device_count())
+        return FoundDevice(name, vendor or ("amd" if torch.version.hip else "nvidia"), "torch.cuda")
+    return FoundDevice(CPU, vendor or CPU, "no GPU visible")
+
+
+def _mismatch(plan: Plan, launch_rank: int, found: FoundDevice) -> str | None:
+    expected = plan.devices[launch_rank]
+    type_ok = (
+        found.device_type == CPU == expected.device_type.lower()
+        or (found.device_type != CPU and device_type_matches(expected.device_type, found.device_type))
+    )
+    vendor_ok = found.vendor is None or found.vendor.lower() == expected.vendor.lower()
+    if type_ok and vendor_ok:
+        return None
+    hint = ""
+    if found.how == "no GPU visible":
+        hint = f" (to emulate it on this CPU, set HETERO_DEVICE={expected.device_type})"
+    return (
+        f"launch rank {launch_rank} (logical rank {plan.logical_rank(launch_rank)}, host "
+        f"{expected.host}): the plan expects {expected.device_type} ({expected.vendor}), "
+        f"found {found.device_type} ({found.vendor or 'vendor not given'}, from {found.how}){hint}"
+    )
+
+
+def verify_devices(
+    store: dist.Store, plan: Plan, launch: Launch, found: FoundDevice, timeout: timedelta
+) -> None:
+    """All ranks publish their device, read everyone's, and agree on the verdict."""
+    check = dist.PrefixStore("hetero/device-check", store)
+    check.set(str(launch.rank), json.dumps(found.__dict__))
+    keys = [str(r) for r in range(launch.world_size)]
+    try:
+        check.wait(keys, timeout)
+    except Exception:
+        missing = [k for k in keys if not check.check([k])]
+        raise HeteroError(
+            f"launch ranks {', '.join(missing)} did not report their device within "
+            f"{timeout}; they failed to start (see their output above) or were never launched"
+        ) from None
+    reports = [FoundDevice(**json.loads(v)) for v in check.multi_get(keys)]
+    # The store may live in launch rank 0; it must not exit before everyone has read.
+    check.add("read", 1)
+    if launch.rank == 0:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while check.add("read", 0) < launch.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    problems = [p for r, f in enumerate(reports) if (p := _mismatch(plan, r, f))]
+    if problems:
+        raise HeteroError(
+            "the processes do not match the plan's devices:\n  - "
+            + "\n  - ".join(problems)
+            + "\nLaunch the plan on the cluster it was made for, or regenerate it for this one."
+        )
+
+
+def _rendezvous(timeout: timedelta) -> dist.Store:
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def initialize(
+    plan: Plan,
+    plan_source: str,
+    backend: str | None,
+    timeout: timedelta,
+    check_devices: bool = True,
+) -> RankContext:
+    """Checks the launch against the plan, then creates every process group.
+
+    check_devices=False is for the uniform plan made up for a plan-less launch, which
+    has no device expectations.
+    """
+    from megatron.core import parallel_state
+
+    launch = read_launch()
+    check_world_size(plan, launch, plan_source)
+    found = detect_device(launch.local_rank)
+    on_gpu = torch.cuda.is_available()
+    backend = backend or ("nccl" if on_gpu else "gloo")
+    if backend == "nccl" and not on_gpu:
+        raise HeteroError(
+            "--distributed-backend nccl needs a GPU and none is visible; use "
+            "--distributed-backend gloo on the CPU"
+        )
+    store = _rendezvous(timeout)
+    if check_devices:
+        verify_devices(store, plan, launch, found, timeout)
+
+    if on_gpu:
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    logical_rank = plan.logical_rank(launch.rank)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=logical_rank,
+        world_size=launch.world_size,
+        timeout=timeout,
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=plan.tensor_parallel,
+        pipeline_model_parallel_size=plan.pipeline_parallel,
+        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+    )
+    coords = plan.coords(logical_rank)
+    assert (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    ) == (coords.tp_rank, coords.dp_rank, coords.pp_rank), "megatron-core's rank order changed"
+    return RankContext(launch=launch, logical_rank=logical_rank, device=device, backend=backend)

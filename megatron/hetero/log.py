@@ -1,0 +1,97 @@
+"""Log lines in Megatron-LM's format, so users' log parsers keep working."""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or _rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def iteration_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    tflops_per_device: float,
+    tokens_per_second: float,
+    learning_rate: float,
+    global_batch_size: int,
+    losses: dict[str, float],
+    loss_scale: float,
+    grad_norm: float | None,
+    params_norm: float | None,
+    num_zeros_in_grad: int | None,
+    skipped_iterations: int,
+    nan_iterations: int,
+) -> str:
+    line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+    line += f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    # Megatron prints one decimal; tiny models on a CPU need more to show anything.
+    tflops = f"{tflops_per_device:.1f}" if tflops_per_device >= 1 else f"{tflops_per_device:.4f}"
+    line += f" throughput per GPU (TFLOP/s/GPU): {tflops} |"
+    line += f" tokens per second: {tokens_per_second:.1f} |"
+    line += f" learning rate: {learning_rate:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    for key, value in losses.items():
+        line += f" {key}: {value:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros_in_grad is not None:
+        line += f" num zeros: {num_zeros_in_grad} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped_iterations:3d} |"
+    line += f" number of nan iterations: {nan_iterations:3d} |"
+    return line
+
+
+def evaluation_block(prefix: str, losses: dict[str, float]) -> str:
+    line = f" validation loss at {prefix} |"
+    for key, value in losses.items():
+        line += f" {key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E} |"
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+def memory_line(rank: int, iteration: int) -> str:
+    mb = 1024 * 1024
+    if torch.cuda.is_available():
+        return (
+            f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
+            f"allocated: {torch.cuda.memory_allocated() / mb:.1f} | "
+            f"max allocated: {torch.cuda.max_memory_allocated() / mb:.1f} | "
+            f"reserved: {torch.cuda.memory_reserved() / mb:.1f} | "
+            f"max reserved: {torch.cuda.max_memory_reserved() / mb:.1f}"
+        )
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"[Rank {rank}] (after {iteration} iterations) memory (MB) | max rss: {peak_kb / 1024:.1f}"
+
+
+def error(launch_rank: int, message: str) -> None:
+    print(f"[launch rank {launch_rank}] error: {message}", file=sys.stderr, flush=True)

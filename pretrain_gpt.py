@@ -1,0 +1,22 @@
+"""Pretrain a GPT/Llama model with megatron-core under a heterogeneous plan.
+
+Takes Megatron-LM's pretrain_gpt.py flags, plus --hetero-plan plan.json:
+
+    # one process, no plan (Megatron's uniform layout)
+    python pretrain_gpt.py --num-layers 4 --hidden-size 64 --num-attention-heads 4 \\
+        --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters 10 \\
+        --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
+
+    # four processes under a plan (uneven stages, unequal replicas, reordered ranks)
+    torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan examples/plans/cpu_pp2_dp2.json ...
+
+`python -m hetero.launch plan.json -- ARGS` prints the per-node torchrun commands of a
+multi-node plan.
+"""
+
+import sys
+
+from megatron.hetero.training import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

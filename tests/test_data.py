@@ -1,0 +1,71 @@
+"""The sample order under a plan, and training from a real indexed dataset."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import GPT_MODEL, TRAINING, make_plan, run_pretrain
+from hetero.plan import Plan
+from megatron.hetero.data import ReplicaBatchSampler
+
+
+@pytest.mark.parametrize("replicas", [[8], [5, 3], [1, 6, 1], [2, 2, 2, 2]])
+def test_every_plan_trains_on_the_same_global_batches(replicas):
+    plan = Plan.from_dict(make_plan(tp=1, pp=1, dp=len(replicas), stages=[4], replicas=replicas,
+                                    rank_order=list(range(len(replicas))), mbs=2))
+    iterations = 3
+    streams = [iter(ReplicaBatchSampler(10_000, plan, d)) for d in range(len(replicas))]
+    for it in range(iterations):
+        seen = []
+        for d, stream in enumerate(streams):
+            for _ in range(replicas[d]):
+                seen.extend(next(stream))
+        assert seen == list(range(it * 16, (it + 1) * 16))
+
+
+def test_sampler_stops_at_the_end_of_the_dataset():
+    plan = Plan.from_dict(make_plan(tp=1, pp=1, dp=2, stages=[4], replicas=[3, 1],
+                                    rank_order=[0, 1], mbs=2))
+    # global batch 8: samples 0..15 make two whole iterations, 16..22 are not enough for a third
+    assert list(ReplicaBatchSampler(23, plan, 1)) == [[6, 7], [14, 15]]
+    assert list(ReplicaBatchSampler(23, plan, 0, start_iteration=1)) == [[8, 9], [10, 11], [12, 13]]
+
+
+@pytest.fixture()
+def indexed_dataset(tmp_path):
+    """A small megatron-core .bin/.idx pair of random documents."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path / "tiny_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        length = int(rng.integers(20, 120))
+        builder.add_item(torch.from_numpy(rng.integers(0, 999, length).astype(np.int32)))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+@pytest.mark.slow
+def test_trains_from_an_indexed_dataset(tmp_path, indexed_dataset):
+    args = GPT_MODEL + [a for a in TRAINING if a != "--mock-data"] + [
+        "--data-path", str(indexed_dataset), "--split", "90,8,2", "--train-iters", "3",
+        "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "1",
+    ]
+    plan = make_plan(tp=1, pp=2, dp=1, stages=[1, 3], replicas=[8], rank_order=[1, 0])
+    result = run_pretrain(args, nproc=2, plan=plan, tmp_path=tmp_path)
+    assert result.returncode == 0, result.output[-3000:]
+    losses = result.losses()
+    assert len(losses) == 3 and all(5.0 < loss < 8.0 for loss in losses)
+    assert "validation loss at iteration 3 on validation set" in result.stdout
+    assert any((tmp_path / "cache").iterdir())  # megatron-core wrote its index cache
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path):
+    args = GPT_MODEL + [a for a in TRAINING if a != "--mock-data"] + [
+        "--data-path", str(tmp_path / "nothing_here"),
+    ]
+    result = run_pretrain(args, timeout=120)
+    assert result.returncode == 2
+    assert "[launch rank 0] error: --data-path" in result.stderr
