@@ -8,7 +8,7 @@ Takes Megatron-LM's pretrain_gpt.py flags, plus --hetero-plan plan.json:
         --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
 
     # four processes under a plan (uneven stages, unequal replicas, reordered ranks)
-    torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan examples/plans/cpu_pp2_dp2.json ...
+    torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan examples/plans/demo_2xh100_2xa100.json ...
 
 `python -m hetero.launch plan.json -- ARGS` prints the per-node torchrun commands of a
 multi-node plan.
@@ -16,7 +16,7 @@ multi-node plan.
 
 import sys
 
-from megatron.hetero.training import main
+from megatron.hetero.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

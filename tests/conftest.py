@@ -31,10 +31,10 @@ TRAINING = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
     "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
-    "--seed", "1234",
+    "--seed", "1234", "--log-params-norm",
 ]
 
-_LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|")
+_ITERATION = re.compile(r"^ \[[^]]+\] iteration\s+(\d+)/\s*\d+ \|(.*)$", re.MULTILINE)
 
 
 @dataclass
@@ -47,11 +47,14 @@ class RunResult:
     def output(self) -> str:
         return self.stdout + self.stderr
 
+    def series(self, field: str) -> list[float]:
+        """One field of every iteration line (log interval 1), in order."""
+        lines = _ITERATION.findall(self.stdout)
+        assert [int(i) for i, _ in lines] == list(range(1, len(lines) + 1)), self.output[-3000:]
+        return [float(re.search(rf" {field}: ([0-9.E+-]+) \|", rest).group(1)) for _, rest in lines]
+
     def losses(self) -> list[float]:
-        """lm loss of each logged iteration, in order."""
-        found = [(int(i), float(v)) for i, v in _LOSS.findall(self.stdout)]
-        assert [i for i, _ in found] == list(range(1, len(found) + 1)), self.output[-3000:]
-        return [v for _, v in found]
+        return self.series("lm loss")
 
 
 def cpu_devices(n: int, host: str = "localhost") -> list[dict]:
@@ -104,22 +107,28 @@ def run_pretrain(
     return RunResult(proc.returncode, proc.stdout, proc.stderr)
 
 
-def assert_close_losses(reference: list[float], candidate: list[float], rtol: float = 1e-4) -> None:
-    assert len(reference) == len(candidate) > 0, (reference, candidate)
-    for i, (a, b) in enumerate(zip(reference, candidate), start=1):
-        assert abs(a - b) <= rtol * abs(a), f"iteration {i}: {a} vs {b} (all: {reference} vs {candidate})"
+def assert_same_training(reference: RunResult, candidate: RunResult, rtol: float = 1e-4) -> None:
+    """Same lm loss and params norm at every iteration, up to rtol (relative)."""
+    assert candidate.returncode == 0, candidate.output[-3000:]
+    for field in ("lm loss", "params norm"):
+        ref, got = reference.series(field), candidate.series(field)
+        assert len(ref) == len(got) > 0, (field, ref, got)
+        for i, (a, b) in enumerate(zip(ref, got), start=1):
+            assert abs(a - b) <= rtol * abs(a), f"{field} at iteration {i}: {a} vs {b} ({ref} vs {got})"
+
+
+def _reference(model: list[str]) -> RunResult:
+    result = run_pretrain(model + TRAINING)
+    assert result.returncode == 0, result.output[-3000:]
+    return result
 
 
 @pytest.fixture(scope="session")
-def gpt_reference() -> list[float]:
-    """Losses of the GPT model trained by one process (no plan), fp32."""
-    result = run_pretrain(GPT_MODEL + TRAINING)
-    assert result.returncode == 0, result.output[-3000:]
-    return result.losses()
+def gpt_reference() -> RunResult:
+    """The GPT model trained by one process without a plan, fp32."""
+    return _reference(GPT_MODEL)
 
 
 @pytest.fixture(scope="session")
-def llama_reference() -> list[float]:
-    result = run_pretrain(LLAMA_MODEL + TRAINING)
-    assert result.returncode == 0, result.output[-3000:]
-    return result.losses()
+def llama_reference() -> RunResult:
+    return _reference(LLAMA_MODEL)

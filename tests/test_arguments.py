@@ -36,7 +36,7 @@ def test_gqa_and_rope_alias():
         (["--bf16", "--fp16"], "mutually exclusive"),
         (["--data-path", "x"], "exactly one of --mock-data or --data-path"),
         (["--tensor-model-parallel-size", "3"], "not divisible by the tensor-parallel size 3"),
-        (["--lr-warmup-fraction", "0.1"], "only one of --lr-warmup-fraction"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "only one of --lr-warmup-fraction"),
     ],
 )
 def test_contradictory_flags(extra, fragment):

@@ -15,8 +15,9 @@ from typing import Sequence
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 
-# Megatron-LM flags that only tune fused kernels. They change speed, not the model, and
-# this runtime picks kernels itself (no fusion on the CPU), so they are accepted and noted.
+# Megatron-LM flags that only choose fused kernels: speed, not the model. On GPUs they keep
+# their meaning where megatron-core's local or transformer-engine layers offer the kernel;
+# on the CPU no fused kernel exists and they have no effect (the start-up log says so).
 _KERNEL_TUNING_FLAGS = (
     "--no-masked-softmax-fusion",
     "--no-bias-gelu-fusion",
@@ -64,7 +65,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="default transformer_engine when it is installed, else local")
     for flag in _KERNEL_TUNING_FLAGS:
-        g.add_argument(flag, action="store_true", help="kernel choice; accepted, no effect here")
+        g.add_argument(flag, action="store_true", help="kernel choice (no effect on the CPU)")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:

@@ -162,10 +162,36 @@ def verify_devices(
         )
 
 
+_store: dist.Store | None = None
+
+
 def _rendezvous(timeout: timedelta) -> dist.Store:
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store.set_timeout(timeout)
-    return store
+    """The job's key-value store (torchrun's agent store, or one hosted by launch rank 0)."""
+    global _store
+    if _store is None:
+        _store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    _store.set_timeout(timeout)
+    return _store
+
+
+def wait_for_peers_to_fail(launch: Launch, timeout: timedelta = timedelta(seconds=60)) -> None:
+    """Holds a rank that stops on bad input until every rank has stopped too.
+
+    torchrun kills the remaining processes as soon as one exits; without this, a rank
+    still starting up would die without printing its own report of the problem. All
+    ranks reach the same verdict on bad input, so the wait is short; it is bounded in
+    case one rank does not.
+    """
+    if launch.world_size == 1:
+        return
+    try:
+        failed = dist.PrefixStore("hetero/stopped", _rendezvous(timeout))
+        failed.add("count", 1)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while failed.add("count", 0) < launch.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # no store reachable: nothing to wait for
+        pass
 
 
 def initialize(

@@ -71,6 +71,15 @@ def iteration_line(
     return line
 
 
+def arguments_block(args) -> str:
+    """All flags after defaults were filled in, as Megatron-LM prints them at start-up."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name, value in sorted(vars(args).items()):
+        lines.append(f"  {name} {'.' * max(1, 48 - len(name))} {value}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
+
+
 def evaluation_block(prefix: str, losses: dict[str, float]) -> str:
     line = f" validation loss at {prefix} |"
     for key, value in losses.items():

@@ -1,4 +1,4 @@
-"""The training loop: Megatron-LM's pretrain() reduced to what a GPT run needs, plan-aware.
+"""The training run: Megatron-LM's pretrain() reduced to what a GPT run needs, plan-aware.
 
 Each data-parallel replica runs the 1F1B schedule over its own number of micro-batches;
 megatron-core's per-token loss mode sums gradients and divides by the global token count,
@@ -9,72 +9,43 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
+import torch
 
-from hetero.errors import HeteroError
-from hetero.plan import DeviceEntry, Plan
-from megatron.hetero.arguments import (
-    apply_plan,
-    padded_vocab_size,
-    parse_args,
-    used_kernel_tuning_flags,
-    validate_args,
+from hetero.plan import Plan
+from megatron.core import parallel_state
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import (
+    model_parallel_cuda_manual_seed,
+    param_is_not_tensor_parallel_duplicate,
 )
-from megatron.hetero.distributed import read_launch
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.hetero import data, distributed
+from megatron.hetero.arguments import padded_vocab_size, used_kernel_tuning_flags
+from megatron.hetero.distributed import Launch, RankContext
+from megatron.hetero.log import (
+    arguments_block,
+    evaluation_block,
+    iteration_line,
+    memory_line,
+    print_rank_0,
+    print_rank_last,
+)
+from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
 from megatron.hetero.patches import apply_patches
-
-
-def _quiet_expected_warnings(launch_rank: int) -> None:
-    # Missing apex / transformer-engine is the normal state on CPU machines.
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
-    if launch_rank != 0:  # as Megatron-LM: rank 0 speaks for everyone
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | None]:
-    """The plan file, or the uniform plan stock Megatron would run on this launch."""
-    if args.hetero_plan:
-        return Plan.load(args.hetero_plan), args.hetero_plan
-    tp = args.tensor_model_parallel_size or 1
-    pp = args.pipeline_model_parallel_size or 1
-    if world_size % (tp * pp):
-        raise HeteroError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"({tp} x {pp})"
-        )
-    for flag in ("num_layers", "micro_batch_size", "global_batch_size"):
-        if getattr(args, flag) is None:
-            raise HeteroError(f"missing --{flag.replace('_', '-')} (or give a --hetero-plan)")
-    unplanned = DeviceEntry(host="unplanned", device_type="unplanned", vendor="unplanned")
-    plan = Plan.uniform(
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        data_parallel=world_size // (tp * pp),
-        micro_batch_size=args.micro_batch_size,
-        num_layers=args.num_layers,
-        global_batch_size=args.global_batch_size,
-        devices=[unplanned] * world_size,
-    )
-    return plan, None
 
 
 def set_random_seed(seed: int) -> None:
     """Megatron-LM's seeding: a different stream per pipeline stage, RNG tracker for TP."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    import torch
-
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
@@ -82,31 +53,27 @@ def set_random_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def get_batch(data_iterator: Iterator[dict] | None):
-    """(tokens, labels, loss_mask, attention_mask, position_ids) on first/last stages."""
-    import torch
-    from megatron.core import parallel_state
+# ----- one micro-batch -----------------------------------------------------------------
 
-    if data_iterator is None or not (
-        parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
-    ):
+
+def get_batch(data_iterator: Iterator[dict] | None):
+    """(tokens, labels, loss_mask, attention_mask, position_ids); Nones on middle stages."""
+    if data_iterator is None:
         return None, None, None, None, None
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    moved = {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
     return (
-        moved["tokens"],
-        moved["labels"],
-        moved["loss_mask"],
-        moved.get("attention_mask"),
-        moved["position_ids"],
+        batch["tokens"],
+        batch["labels"],
+        batch["loss_mask"],
+        batch.get("attention_mask"),
+        batch["position_ids"],
     )
 
 
-def loss_func(loss_mask, output_tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Summed loss and token count; the schedule and finalize_model_grads do the division."""
-    import torch
-
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
@@ -119,6 +86,64 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)
+
+
+# ----- optimizer --------------------------------------------------------------------------
+
+
+def build_optimizer(
+    args: argparse.Namespace, plan: Plan, model, params_dtype: torch.dtype
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            fp16=args.fp16,
+            bf16=args.bf16,
+            params_dtype=params_dtype,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            sgd_momentum=args.sgd_momentum,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            clip_grad=args.clip_grad,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        ),
+        [model],
+    )
+    # As Megatron-LM with --train-iters: the schedule counts samples.
+    gbs = plan.global_batch_size
+    warmup_iters = (
+        int(args.lr_warmup_fraction * args.lr_decay_iters)
+        if args.lr_warmup_fraction is not None
+        else args.lr_warmup_iters
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    return optimizer, scheduler
+
+
+# ----- the loop ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -139,29 +164,21 @@ class _IntervalStats:
 class Trainer:
     """One rank's share of the job: its stage, its replica's micro-batches."""
 
-    def __init__(self, args: argparse.Namespace, plan: Plan, ctx, model, optimizer, scheduler, spec):
-        import torch
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    def __init__(self, args, plan: Plan, ctx: RankContext, model, optimizer, scheduler):
         self.args, self.plan, self.ctx = args, plan, ctx
-        self.model, self.optimizer, self.scheduler, self.spec = model, optimizer, scheduler, spec
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.num_micro_batches = plan.replicas[self.dp_rank].num_micro_batches
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.flops_per_iteration = model_spec(args).training_flops(plan.global_batch_size)
+        self.num_micro_batches = plan.replicas[parallel_state.get_data_parallel_rank()].num_micro_batches
         self.forward_backward = get_forward_backward_func()
-        self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.torch = torch
 
     def _reduce_losses(self, losses_per_micro_batch: list[dict]) -> dict[str, float]:
-        """Token-weighted mean over all replicas' micro-batches (last stage only)."""
-        torch = self.torch
-        if not self.is_last_stage:
+        """Token-weighted mean over every replica's micro-batches (known on the last stage)."""
+        if not parallel_state.is_pipeline_last_stage():
             return {}
         reduced = {}
         for key in losses_per_micro_batch[0]:
             totals = torch.stack([m[key].view(-1) for m in losses_per_micro_batch]).sum(dim=0)
-            torch.distributed.all_reduce(totals, group=self.dp_group)
+            torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
             reduced[key] = (totals[0] / totals[1].clamp(min=1)).item()
         return reduced
 
@@ -186,33 +203,52 @@ class Trainer:
             self.scheduler.step(increment=self.plan.global_batch_size)
         return losses, grad_norm, not update_successful, num_zeros
 
+    @torch.no_grad()
     def evaluate(self, data_iterator) -> dict[str, float]:
-        torch = self.torch
         self.model.eval()
         totals: dict[str, float] = {}
-        with torch.no_grad():
-            for _ in range(self.args.eval_iters):
-                for key, value in self._run_schedule(data_iterator, forward_only=True).items():
-                    totals[key] = totals.get(key, 0.0) + value
+        for _ in range(self.args.eval_iters):
+            for key, value in self._run_schedule(data_iterator, forward_only=True).items():
+                totals[key] = totals.get(key, 0.0) + value
         self.model.train()
         return {k: v / self.args.eval_iters for k, v in totals.items()}
 
     def _params_norm(self) -> float:
-        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+        """L2 norm of the whole model: each parameter counted once across TP and PP."""
+        squares = torch.zeros(1, dtype=torch.float64)
+        for param in self.model.parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                squares += param.detach().double().pow(2).sum().cpu()
+        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return squares.sqrt().item()
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return get_grad_norm_fp32(params, grad_stats_parallel_group=None)
-
-    def train(self, train_iterator, valid_iterator, evaluate: bool) -> int:
-        from megatron.hetero.log import (
-            evaluation_block,
-            iteration_line,
-            memory_line,
-            print_rank_0,
-            print_rank_last,
+    def _log(self, iteration: int, stats: _IntervalStats, grad_norm, num_zeros) -> None:
+        args, plan = self.args, self.plan
+        seconds = stats.elapsed / stats.iterations
+        advanced = max(1, stats.iterations - stats.skipped)
+        params_norm = self._params_norm() if args.log_params_norm else None
+        print_rank_last(
+            iteration_line(
+                iteration=iteration,
+                train_iters=args.train_iters,
+                consumed_samples=iteration * plan.global_batch_size,
+                elapsed_ms=seconds * 1000.0,
+                tflops_per_device=self.flops_per_iteration / (seconds * 1e12 * plan.world_size),
+                tokens_per_second=plan.global_batch_size * args.seq_length / seconds,
+                learning_rate=self.optimizer.param_groups[0]["lr"],
+                global_batch_size=plan.global_batch_size,
+                losses={k: v / advanced for k, v in stats.losses.items()},
+                loss_scale=float(self.optimizer.get_loss_scale().item()),
+                grad_norm=grad_norm,
+                params_norm=params_norm,
+                num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
+                skipped_iterations=stats.skipped,
+                nan_iterations=stats.nan,
+            )
         )
 
-        args, plan = self.args, self.plan
+    def train(self, train_iterator, valid_iterator, evaluate: bool) -> int:
+        args = self.args
         stats = _IntervalStats()
         reported_memory = False
         print_rank_0("training ...")
@@ -228,46 +264,26 @@ class Trainer:
                 stats.add_losses(losses)
                 stats.nan += int(any(v != v for v in losses.values()))
             if iteration % args.log_interval == 0:
-                seconds = stats.elapsed / stats.iterations
-                advanced = max(1, stats.iterations - stats.skipped)
-                print_rank_last(
-                    iteration_line(
-                        iteration=iteration,
-                        train_iters=args.train_iters,
-                        consumed_samples=iteration * plan.global_batch_size,
-                        elapsed_ms=seconds * 1000.0,
-                        tflops_per_device=self.spec.training_flops(plan.global_batch_size)
-                        / (seconds * 1e12 * plan.world_size),
-                        tokens_per_second=plan.global_batch_size * args.seq_length / seconds,
-                        learning_rate=self.optimizer.param_groups[0]["lr"],
-                        global_batch_size=plan.global_batch_size,
-                        losses={k: v / advanced for k, v in stats.losses.items()},
-                        loss_scale=float(self.optimizer.get_loss_scale().item()),
-                        grad_norm=grad_norm,
-                        params_norm=self._params_norm() if args.log_params_norm else None,
-                        num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
-                        skipped_iterations=stats.skipped,
-                        nan_iterations=stats.nan,
-                    )
-                )
-                if not reported_memory:
-                    from megatron.core import parallel_state
-
+                self._log(iteration, stats, grad_norm, num_zeros)
+                stats = _IntervalStats()
+                if not reported_memory:  # as Megatron-LM: one line per stage, once
+                    reported_memory = True
                     if parallel_state.get_data_parallel_rank() == 0 and (
                         parallel_state.get_tensor_model_parallel_rank() == 0
                     ):
                         print(memory_line(self.ctx.logical_rank, iteration), flush=True)
-                    reported_memory = True
-                stats = _IntervalStats()
             if evaluate and iteration % args.eval_interval == 0:
-                losses = self.evaluate(valid_iterator)
-                print_rank_last(evaluation_block(f"iteration {iteration} on validation set", losses))
+                block = evaluation_block(f"iteration {iteration} on validation set",
+                                         self.evaluate(valid_iterator))
+                print_rank_last(block)
         return iteration
 
 
-def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, patches: list[str]) -> None:
-    from megatron.hetero.log import print_rank_0
+# ----- the run ----------------------------------------------------------------------------
 
+
+def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, patches: list[str]) -> None:
+    print_rank_0(arguments_block(args))
     print_rank_0(
         f"using world size: {plan.world_size}, data-parallel size: {plan.data_parallel}, "
         f"context-parallel size: 1, tensor-model-parallel size: {plan.tensor_parallel}, "
@@ -282,34 +298,14 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
                 f"-> launch rank {plan.launch_rank(logical):4d} on {d.host} ({d.device_type}, {d.vendor})"
             )
     print_rank_0(f"> megatron-core patches applied: {', '.join(patches) or 'none'}")
-    ignored = used_kernel_tuning_flags(args)
-    if ignored:
-        print_rank_0(f"> kernel flags {', '.join(ignored)}: fused kernels are chosen per device")
+    kernel_flags = used_kernel_tuning_flags(args)
+    if kernel_flags and not torch.cuda.is_available():
+        print_rank_0(f"> {', '.join(kernel_flags)}: no effect on the CPU (no fused kernels)")
 
 
-def pretrain(argv: Sequence[str]) -> int:
-    """pretrain_gpt.py's body; returns the process exit code."""
-    # Megatron's recipes set this: tensor-parallel collectives must keep their launch order.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    launch = read_launch()
-    _quiet_expected_warnings(launch.rank)
-    args = parse_args(argv)
-    plan, plan_source = load_plan(args, launch.world_size)
-    apply_plan(args, plan)
-    validate_args(args)
-    from megatron.hetero import data
-
+def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: Launch) -> None:
     data.check_data_paths(args)
     patches = apply_patches()
-
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.hetero import distributed
-    from megatron.hetero.log import print_rank_0
-    from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
-
     ctx = distributed.initialize(
         plan,
         plan_source or "(uniform)",
@@ -339,67 +335,21 @@ def pretrain(argv: Sequence[str]) -> int:
             f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model)}",
             flush=True,
         )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=args.optimizer,
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            fp16=args.fp16,
-            bf16=args.bf16,
-            params_dtype=config.params_dtype,
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            sgd_momentum=args.sgd_momentum,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            clip_grad=args.clip_grad,
-            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        ),
-        [model],
-    )
+    optimizer, scheduler = build_optimizer(args, plan, model, config.params_dtype)
     config.grad_scale_func = optimizer.scale_loss
-    gbs = plan.global_batch_size
-    warmup_iters = (
-        int(args.lr_warmup_fraction * args.lr_decay_iters)
-        if args.lr_warmup_fraction is not None
-        else args.lr_warmup_iters
-    )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style=args.weight_decay_incr_style,
-        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * gbs or None,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-    )
 
     print_rank_0("> building train, validation, and test datasets ...")
     if args.mock_data:  # mock data has no index cache to save; megatron-core warns per split
         logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     train_ds, valid_ds, test_ds = data.build_datasets(args, tokenizer)
-    train_iterator = data.micro_batch_iterator(train_ds, plan, args.num_workers)
-    valid_iterator = data.micro_batch_iterator(valid_ds, plan, args.num_workers)
 
-    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler, model_spec(args))
+    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler)
     do_valid = args.eval_iters > 0 and valid_ds is not None
-    iteration = trainer.train(train_iterator, valid_iterator, evaluate=do_valid)
+    valid_iterator = data.micro_batch_iterator(valid_ds, plan, args.num_workers)
+    iteration = trainer.train(
+        data.micro_batch_iterator(train_ds, plan, args.num_workers), valid_iterator, do_valid
+    )
     print_rank_0(f"[after training is done] iterations: {iteration}")
-
-    from megatron.hetero.log import evaluation_block, print_rank_last
-
     if do_valid and iteration % args.eval_interval:
         losses = trainer.evaluate(valid_iterator)
         print_rank_last(evaluation_block(f"iteration {iteration} on validation set", losses))
@@ -407,15 +357,3 @@ def pretrain(argv: Sequence[str]) -> int:
         losses = trainer.evaluate(data.micro_batch_iterator(test_ds, plan, args.num_workers))
         print_rank_last(evaluation_block(f"iteration {iteration} on test set", losses))
     torch.distributed.destroy_process_group()
-    return 0
-
-
-def main(argv: Sequence[str]) -> int:
-    from megatron.hetero.log import error
-
-    launch_rank = int(os.environ.get("RANK", "0"))
-    try:
-        return pretrain(argv)
-    except HeteroError as err:
-        error(launch_rank, str(err))
-        return 2

@@ -1,0 +1,81 @@
+"""pretrain_gpt.py's body: flags and plan first, then the run.
+
+Everything that can be decided from the command line and the plan file is checked here,
+before megatron-core is imported or any process group exists, so a bad launch fails
+within seconds and identically on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from typing import Sequence
+
+from hetero.errors import HeteroError
+from hetero.plan import DeviceEntry, Plan
+from megatron.hetero.arguments import apply_plan, parse_args, validate_args
+from megatron.hetero.distributed import Launch, read_launch, wait_for_peers_to_fail
+from megatron.hetero.log import error
+
+
+def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | None]:
+    """The plan file, or the uniform plan stock Megatron would run on this launch."""
+    if args.hetero_plan:
+        return Plan.load(args.hetero_plan), args.hetero_plan
+    tp = args.tensor_model_parallel_size or 1
+    pp = args.pipeline_model_parallel_size or 1
+    if world_size % (tp * pp):
+        raise HeteroError(
+            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
+            f"({tp} x {pp})"
+        )
+    for flag in ("num_layers", "micro_batch_size", "global_batch_size"):
+        if getattr(args, flag) is None:
+            raise HeteroError(f"missing --{flag.replace('_', '-')} (or give a --hetero-plan)")
+    unplanned = DeviceEntry(host="unplanned", device_type="unplanned", vendor="unplanned")
+    plan = Plan.uniform(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=world_size // (tp * pp),
+        micro_batch_size=args.micro_batch_size,
+        num_layers=args.num_layers,
+        global_batch_size=args.global_batch_size,
+        devices=[unplanned] * world_size,
+    )
+    return plan, None
+
+
+def _quiet_expected_warnings(launch_rank: int) -> None:
+    # Missing apex / transformer-engine is the normal state on CPU machines.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    if launch_rank != 0:  # as Megatron-LM: rank 0 speaks for everyone
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def configure(argv: Sequence[str], launch: Launch) -> tuple[argparse.Namespace, Plan, str | None]:
+    args = parse_args(argv)
+    plan, plan_source = load_plan(args, launch.world_size)
+    apply_plan(args, plan)
+    validate_args(args)
+    return args, plan, plan_source
+
+
+def main(argv: Sequence[str]) -> int:
+    """Returns the process exit code: 0, or 2 for bad input (reported on every rank)."""
+    # Megatron's recipes set this: tensor-parallel collectives must keep their launch order.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    launch = read_launch()
+    _quiet_expected_warnings(launch.rank)
+    try:
+        args, plan, plan_source = configure(argv, launch)
+        from megatron.hetero.training import run
+
+        run(args, plan, plan_source, launch)
+    except HeteroError as err:
+        error(launch.rank, str(err))
+        wait_for_peers_to_fail(launch)
+        return 2
+    return 0
