@@ -29,6 +29,9 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 
 
+_MAX_REPORTED_MISMATCHES = 8
+
+
 @dataclass(frozen=True)
 class Launch:
     """What the launcher (torchrun) told this process."""
@@ -155,9 +158,12 @@ def verify_devices(
             time.sleep(0.01)
     problems = [p for r, f in enumerate(reports) if (p := _mismatch(plan, r, f))]
     if problems:
+        shown = problems[:_MAX_REPORTED_MISMATCHES]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more launch ranks")
         raise HeteroError(
-            "the processes do not match the plan's devices:\n  - "
-            + "\n  - ".join(problems)
+            f"{len(problems)} of {launch.world_size} processes do not match the plan's devices:\n  - "
+            + "\n  - ".join(shown)
             + "\nLaunch the plan on the cluster it was made for, or regenerate it for this one."
         )
 

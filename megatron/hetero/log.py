@@ -19,14 +19,27 @@ def is_last_rank() -> bool:
     return not dist.is_initialized() or _rank() == dist.get_world_size() - 1
 
 
+def _emit(message: str, stream=None) -> None:
+    """One write per message: ranks share the launcher's pipe, and a single write of up to
+    4 KiB to a pipe is never split by another process's output (print() may write the text
+    and the newline separately)."""
+    stream = stream or sys.stdout
+    stream.write(message + "\n")
+    stream.flush()
+
+
+def print_all(message: str) -> None:
+    _emit(message)
+
+
 def print_rank_0(message: str) -> None:
     if _rank() == 0:
-        print(message, flush=True)
+        _emit(message)
 
 
 def print_rank_last(message: str) -> None:
     if is_last_rank():
-        print(message, flush=True)
+        _emit(message)
 
 
 def iteration_line(
@@ -103,4 +116,4 @@ def memory_line(rank: int, iteration: int) -> str:
 
 
 def error(launch_rank: int, message: str) -> None:
-    print(f"[launch rank {launch_rank}] error: {message}", file=sys.stderr, flush=True)
+    _emit(f"[launch rank {launch_rank}] error: {message}", sys.stderr)

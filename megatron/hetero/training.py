@@ -37,6 +37,7 @@ from megatron.hetero.log import (
     evaluation_block,
     iteration_line,
     memory_line,
+    print_all,
     print_rank_0,
     print_rank_last,
 )
@@ -271,7 +272,7 @@ class Trainer:
                     if parallel_state.get_data_parallel_rank() == 0 and (
                         parallel_state.get_tensor_model_parallel_rank() == 0
                     ):
-                        print(memory_line(self.ctx.logical_rank, iteration), flush=True)
+                        print_all(memory_line(self.ctx.logical_rank, iteration))
             if evaluate and iteration % args.eval_interval == 0:
                 block = evaluation_block(f"iteration {iteration} on validation set",
                                          self.evaluate(valid_iterator))
@@ -329,11 +330,10 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     config = transformer_config(args, plan)
     model = build_model(args, plan, config)
     if parallel_state.get_data_parallel_rank() == 0:
-        print(
+        print_all(
             " > number of parameters on (tensor, pipeline) model parallel rank "
             f"({parallel_state.get_tensor_model_parallel_rank()}, "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model)}",
-            flush=True,
+            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model)}"
         )
     optimizer, scheduler = build_optimizer(args, plan, model, config.params_dtype)
     config.grad_scale_func = optimizer.scale_loss
