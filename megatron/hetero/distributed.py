@@ -54,8 +54,6 @@ class RankContext:
 
     launch: Launch
     logical_rank: int
-    device: torch.device
-    backend: str
 
 
 def read_launch() -> Launch:
@@ -230,9 +228,6 @@ def initialize(
 
     if on_gpu:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
     logical_rank = plan.logical_rank(launch.rank)
     dist.init_process_group(
         backend=backend,
@@ -252,4 +247,4 @@ def initialize(
         parallel_state.get_data_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
     ) == (coords.tp_rank, coords.dp_rank, coords.pp_rank), "megatron-core's rank order changed"
-    return RankContext(launch=launch, logical_rank=logical_rank, device=device, backend=backend)
+    return RankContext(launch=launch, logical_rank=logical_rank)
