@@ -21,10 +21,13 @@ setup(
         "pydantic>=2.5,<3",
         "PyYAML>=6.0",
         "numpy>=1.26",
+        "matplotlib>=3.8",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
         "gpu": ["transformer-engine[pytorch]"],
     },
-    entry_points={"console_scripts": ["hetero-launch=hetero.launch:main"]},
+    entry_points={
+        "console_scripts": ["hetero-plan=hetero.cli:main", "hetero-launch=hetero.launch:main"],
+    },
 )

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# A planned heterogeneous training run on this machine (README command `make demo`).
+# The main job (README: `make demo`): plan a heterogeneous cluster, then train under the plan.
 #
-# The plan lays a Llama-style model over 2 "H100" and 2 "A100" processes: two pipelines
-# of 2 stages with an uneven layer split [4, 2], the H100 pipeline taking 5 micro-batches
-# per iteration and the A100 pipeline 3, and a rank order that keeps each pipeline on one
-# node. Without GPUs the four processes run on this CPU; HETERO_DEVICE tells each one
-# which device of the plan it stands in for (the start-up check compares them).
+# 1. hetero-plan lays a small Llama-style model over examples/clusters/cpu_demo.yaml, four
+#    processes of this machine standing in for a fast node and a slow node (fp32, no
+#    fused attention: what runs on a CPU). It prints the plan, its predicted speed, the
+#    Megatron baseline, and draws the predicted iteration (runs/demo/plan.png).
+# 2. pretrain_gpt.py runs the plan with torchrun. Without GPUs, HETERO_DEVICE tells each
+#    process which of the plan's devices it stands in for (the start-up check compares).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PLAN=${PLAN:-examples/plans/demo_2xh100_2xa100.json}
+OUT=${OUT_DIR:-runs/demo}
+mkdir -p "$OUT"
+PLAN=$OUT/plan.json
+
+hetero-plan --cluster examples/clusters/cpu_demo.yaml --model examples/models/llama_tiny.yaml \
+  --global-batch-size 16 --seq-length 128 --micro-batch-size 2 \
+  --precision fp32 --no-flash-attention --quiet -o "$PLAN" --timeline "$OUT/plan.png"
+echo
+
 NPROC=$(python -c "from hetero.plan import Plan; print(Plan.load('$PLAN').world_size)")
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export HETERO_DEVICE=$(python -c "from hetero.plan import Plan; print(','.join(d.device_type for d in Plan.load('$PLAN').devices))")

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetero.errors import PlanError
+from hetero.validation import describe_validation_error
 
 PLAN_VERSION = 1
 
@@ -125,7 +126,12 @@ class Plan(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise PlanError(_describe_validation_error(err, source)) from None
+            raise PlanError(
+                describe_validation_error(
+                    err, source, f"hetero plan (version {PLAN_VERSION})",
+                    "Fix these fields, or regenerate the plan with hetero-plan.",
+                )
+            ) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
@@ -257,21 +263,6 @@ class Plan(BaseModel):
         )
 
 
-def _describe_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source} is not a valid hetero plan (version {PLAN_VERSION}):"]
-    for problem in err.errors():
-        where = "".join(
-            f"[{part}]" if isinstance(part, int) else (f".{part}" if i else str(part))
-            for i, part in enumerate(problem["loc"])
-        )
-        message = problem["msg"].removeprefix("Value error, ")
-        if problem["type"] == "missing":
-            message = "required field is missing"
-        lines.append(f"  - {where or 'plan'}: {message}")
-    lines.append("Fix these fields, or regenerate the plan with hetero-plan.")
-    return "\n".join(lines)
-
-
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
     """Writes JSON so that a crash leaves either the old file or the new one, never a mix."""
     path = Path(path)
@@ -287,3 +278,11 @@ def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+if __name__ == "__main__":  # `python -m hetero.plan ...` is hetero-plan
+    import sys
+
+    from hetero.cli import main
+
+    sys.exit(main())

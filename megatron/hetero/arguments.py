@@ -225,6 +225,37 @@ def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
     args.data_parallel_size = plan.data_parallel
 
 
+# Plan "model" fields (Megatron's names) that must equal the run's flags once defaults
+# are filled in.
+_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                 "num_query_groups", "kv_channels", "seq_length", "swiglu",
+                 "untie_embeddings_and_output_weights", "add_bias_linear", "normalization",
+                 "position_embedding_type")
+
+
+def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
+    """A plan from hetero-plan records the model and training it was made for; the run
+    must be that model (the plan's times and memory are for it) and that precision."""
+    model = plan.model_extra.get("model") or {}
+    wrong = [
+        f"{name.replace('_', '-')}: plan {model[name]!r}, flags {getattr(args, name)!r}"
+        for name in _MODEL_FIELDS
+        if model.get(name) is not None and model[name] != getattr(args, name)
+    ]
+    training = plan.model_extra.get("training") or {}
+    precision = training.get("precision")
+    if precision and precision != args.params_dtype:
+        flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}[precision]
+        wrong.append(f"precision: plan {precision} ({flag}), flags {args.params_dtype}")
+    if wrong:
+        raise HeteroError(
+            "the plan was made for another model or precision (" + "; ".join(wrong) + "); run the "
+            "model it was made for, or regenerate it with hetero-plan --model ... --precision ..."
+        )
+    if training.get("distributed_optimizer"):
+        args.use_distributed_optimizer = True  # the plan's memory assumes it
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",

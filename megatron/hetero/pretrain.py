@@ -14,7 +14,7 @@ from typing import Sequence
 
 from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
-from megatron.hetero.arguments import apply_plan, parse_args, validate_args
+from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
 from megatron.hetero.distributed import Launch, read_launch, wait_for_peers_to_fail
 from megatron.hetero.log import error
 
@@ -49,7 +49,11 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
 def _quiet_expected_warnings(launch_rank: int) -> None:
     # Missing apex / transformer-engine is the normal state on CPU machines.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
+    # megatron-core 0.16.1 calls torch APIs that torch 2.13 deprecates, and touches .grad of
+    # non-leaf tensors in its distributed optimizer; upstream noise, not the user's doing.
     warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
+    warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*")
     if launch_rank != 0:  # as Megatron-LM: rank 0 speaks for everyone
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -60,6 +64,7 @@ def configure(argv: Sequence[str], launch: Launch) -> tuple[argparse.Namespace, 
     plan, plan_source = load_plan(args, launch.world_size)
     apply_plan(args, plan)
     validate_args(args)
+    check_plan_model(args, plan)
     return args, plan, plan_source
 
 

@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from hetero.errors import HeteroError
 from hetero.plan import Plan
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -320,6 +321,13 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     print_rank_0(f"> building {args.tokenizer_type} tokenizer ...")
     tokenizer = data.build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    planned_vocab = (plan.model_extra.get("model") or {}).get("vocab_size")
+    if planned_vocab is not None and planned_vocab != args.padded_vocab_size:
+        raise HeteroError(
+            f"the plan was made for a vocabulary of {planned_vocab}, this run pads its tokenizer's "
+            f"{tokenizer.vocab_size} to {args.padded_vocab_size}; regenerate the plan with "
+            f"hetero-plan --vocab-size {args.padded_vocab_size}"
+        )
     print_rank_0(
         f" > padded vocab (size: {tokenizer.vocab_size}) with "
         f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens "

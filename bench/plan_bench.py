@@ -1,0 +1,76 @@
+"""Planner benchmark: paper-scale clusters, search time, % of the upper bound, speed-up.
+
+    python bench/plan_bench.py            # every scenario (a few minutes on 2 cores)
+    python bench/plan_bench.py --quick    # the two search-speed targets only
+
+Each row plans the job with the same predictor that computes its Megatron baseline
+(uniform layers, launch-order ranks, equal micro-batches, best degrees) and HetHub's
+upper bound (best per-device throughput of each type alone, times its count). "search"
+is the planner alone; "total" adds the baseline and the upper bound.
+Targets (2 cores): search <= 1 s for 512 GPUs, <= 30 s for 4096 GPUs of 4 types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hetero.cli import plan_job  # noqa: E402
+from hetero.cluster import Cluster  # noqa: E402
+from hetero.model import load_model  # noqa: E402
+
+CLUSTERS = REPO / "examples" / "clusters"
+
+# (scenario, cluster file, model, global batch, sequence length)
+SCENARIOS = [
+    ("HetHub-like", "hethub_like.yaml", "llama-140b", 1536, 4096),
+    ("Holmes-like", "holmes_like.yaml", "gpt-3.6b", 512, 2048),
+    ("Poplar-like", "poplar_like.yaml", "llama2-70b", 512, 4096),
+    ("Sailor-like 128", "sailor_like_128.yaml", "llama2-7b", 512, 2048),
+    ("Sailor-like 320", "sailor_like_320.yaml", "llama2-7b", 1024, 2048),
+    ("Sailor-like 512", "sailor_like_512.yaml", "llama2-7b", 1024, 2048),
+    ("4 types, 4096", "mixed_4096.yaml", "llama2-70b", 2048, 4096),
+]
+QUICK = {"Sailor-like 512", "4 types, 4096"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only the search-speed targets")
+    args = parser.parse_args()
+    header = (f"{'scenario':16} {'devices':>7} {'model':11} {'search s':>8} {'total s':>8} "
+              f"{'tokens/s':>11} {'% of UB':>7} {'vs Megatron':>11}  plan")
+    print(header)
+    print("-" * len(header))
+    for name, cluster_file, model_name, gbs, seq in SCENARIOS:
+        if args.quick and name not in QUICK:
+            continue
+        cluster = Cluster.load(CLUSTERS / cluster_file)
+        model = load_model(model_name).with_seq_length(seq)
+        start = time.perf_counter()
+        job = plan_job(cluster, model, gbs, with_baseline=not args.quick, with_upper_bound=not args.quick)
+        total = time.perf_counter() - start
+        info = job.plan.model_extra["prediction"]
+        provenance = job.plan.model_extra["provenance"]
+        p = job.plan
+        ub = f"{info['fraction_of_upper_bound']:.1%}" if "fraction_of_upper_bound" in info else "-"
+        if args.quick:
+            speedup = "-"
+        elif info.get("speedup_over_baseline"):
+            speedup = f"{info['speedup_over_baseline']:.2f}x"
+        else:
+            speedup = "cannot fit"  # no uniform Megatron plan fits the cluster
+        layout = (f"TP{p.tensor_parallel} PP{p.pipeline_parallel} DP{p.data_parallel} "
+                  f"mb{p.micro_batch_size} {provenance['family']}")
+        print(f"{name:16} {cluster.num_devices:7d} {model_name:11} {provenance['search_time_s']:8.2f} "
+              f"{total:8.1f} {info['tokens_per_s']:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

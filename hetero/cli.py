@@ -1,0 +1,194 @@
+"""hetero-plan: plan a job for a cluster, or explain an existing plan.
+
+    hetero-plan --cluster C.yaml --model llama2-7b --global-batch-size 512 --seq-length 4096 \\
+        [--profiles DIR] -o plan.json [--timeline plan.png]
+    hetero-plan explain plan.json [--timeline plan.png] [--memory]
+
+(also `python -m hetero.plan ...`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Sequence
+
+from hetero.baseline import megatron_baseline, upper_bound
+from hetero.cluster import Cluster
+from hetero.costs import CostModel, Precision
+from hetero.errors import HeteroError
+from hetero.model import ModelSpec, load_model
+from hetero.plan import Plan
+from hetero.planner import Planner, PlannerOptions
+from hetero.predictor import Prediction, TrainingSetup, predict
+from hetero.profiles import Profiles
+from hetero.report import memory_table, summary, timeline_png
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class PlannedJob:
+    plan: Plan
+    prediction: Prediction
+    cluster: Cluster
+
+
+def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
+             options: PlannerOptions = PlannerOptions(), profiles: Profiles | None = None,
+             with_baseline: bool = True, with_upper_bound: bool = True,
+             progress=None, profiles_source: str | None = None) -> PlannedJob:
+    """Plans, then measures the plan against the Megatron baseline and the upper bound."""
+    start = time.perf_counter()
+    result = Planner(cluster, model, global_batch_size, options, profiles).plan(progress)
+    info = result.prediction.to_dict()
+    if with_upper_bound:
+        bound = upper_bound(cluster, model, global_batch_size, options, profiles)
+        info["upper_bound"] = bound.to_dict()
+        info["fraction_of_upper_bound"] = round(result.prediction.tokens_per_s / bound.tokens_per_s, 4)
+    if with_baseline:
+        baseline = megatron_baseline(cluster, model, global_batch_size, options, profiles)
+        info["baseline"] = baseline.to_dict() if baseline else None
+        if baseline:
+            info["speedup_over_baseline"] = round(
+                baseline.prediction.iteration_time_s / result.prediction.iteration_time_s, 4)
+    extra = {
+        "model": model.to_dict(),
+        "training": {"global_batch_size": global_batch_size, "seq_length": model.seq_length,
+                     **options.setup.to_dict()},
+        "cluster": cluster.to_dict(),
+        "prediction": info,
+        "provenance": {
+            "tool": f"hetero-plan {VERSION}",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "family": result.family,
+            "search_time_s": round(result.search_time_s, 3),
+            "total_time_s": round(time.perf_counter() - start, 3),
+            "candidates_estimated": result.candidates_estimated,
+            "profiles": profiles_source,
+        },
+    }
+    plan = Plan.from_dict({**result.plan.to_dict(), **extra})
+    return PlannedJob(plan, result.prediction, cluster)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetero-plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True, help="cluster spec YAML")
+    p.add_argument("--model", required=True, help="preset name or model YAML (Megatron field names)")
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, default=None, help="padded vocabulary (default: the model's)")
+    p.add_argument("--profiles", default=None, help="directory of measured profiles (tools/)")
+    p.add_argument("--roofline-for-missing", action="store_true",
+                   help="with --profiles: estimate device types that have no profile")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--no-flash-attention", action="store_true",
+                   help="attention keeps its score matrix (megatron-core's local layers, CPU runs)")
+    p.add_argument("--tensor-parallel", type=_int_list, default=(1, 2, 4, 8), help="degrees to try")
+    p.add_argument("--micro-batch-size", type=_int_list, default=(1, 2, 4, 8), help="sizes to try")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--skip-upper-bound", action="store_true")
+    p.add_argument("-o", "--output", required=True, help="plan.json to write")
+    p.add_argument("--timeline", default=None, help="also draw the predicted iteration (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no progress")
+    return p
+
+
+def _plan_command(argv: Sequence[str]) -> int:
+    args = _plan_parser().parse_args(argv)
+    cluster = Cluster.load(args.cluster)
+    model = load_model(args.model).with_seq_length(args.seq_length)
+    if args.vocab_size:
+        model = ModelSpec(**{**model.to_dict(), "vocab_size": args.vocab_size})
+    profiles = None
+    if args.profiles:
+        profiles = Profiles.load_dir(args.profiles)
+        missing = profiles.missing(list(cluster.device_counts()), model, args.precision)
+        if missing and not args.roofline_for_missing:
+            raise HeteroError(
+                f"--profiles {args.profiles} has no {args.precision} compute profile of this model "
+                f"shape for {', '.join(missing)}; measure them with tools/profile_compute.py, or "
+                "pass --roofline-for-missing to estimate them from the catalog"
+            )
+    setup = TrainingSetup(precision=args.precision,
+                          distributed_optimizer=not args.no_distributed_optimizer,
+                          flash_attention=not args.no_flash_attention)
+    options = PlannerOptions(tensor_parallel=args.tensor_parallel,
+                             micro_batch_sizes=args.micro_batch_size, setup=setup)
+    def progress(step: str) -> None:
+        print(f"  searching {step} ...", file=sys.stderr, flush=True)
+
+    job = plan_job(cluster, model, args.global_batch_size, options, profiles,
+                   with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
+                   progress=None if args.quiet else progress, profiles_source=args.profiles)
+    job.plan.save(args.output)
+    print(summary(job.plan, job.prediction, cluster, f"hetero-plan: wrote {args.output}"))
+    if args.timeline:
+        print(f"timeline   {timeline_png(job.plan, job.prediction, args.timeline)}")
+    return 0
+
+
+def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:
+    """Re-predicts a plan written by hetero-plan (it carries its cluster, model, training)."""
+    extra = plan.model_extra
+    missing = [k for k in ("cluster", "model", "training") if k not in extra]
+    if missing:
+        raise HeteroError(f"{source} has no {', '.join(missing)} section; explain needs a plan "
+                          "written by hetero-plan")
+    cluster = Cluster.from_dict(extra["cluster"], f"{source}: cluster")
+    model = ModelSpec(**extra["model"])
+    training = extra["training"]
+    setup = TrainingSetup(training["precision"], training["distributed_optimizer"],
+                          training["flash_attention"])
+    profiles = None
+    if extra.get("provenance", {}).get("profiles"):
+        profiles = Profiles.load_dir(extra["provenance"]["profiles"])
+    costs = CostModel(cluster, model, Precision(setup.precision), profiles, setup.flash_attention)
+    return predict(plan, cluster, costs, setup), cluster
+
+
+def _explain_command(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="hetero-plan explain", description="Summarise an existing plan.")
+    p.add_argument("plan")
+    p.add_argument("--timeline", default=None, help="draw the predicted iteration (PNG)")
+    p.add_argument("--memory", action="store_true", help="per-stage memory breakdown")
+    args = p.parse_args(argv)
+    plan = Plan.load(args.plan)
+    prediction, cluster = explain(plan, args.plan)
+    print(summary(plan, prediction, cluster, f"hetero-plan explain {args.plan}"))
+    if args.memory:
+        print(memory_table(prediction))
+    if args.timeline:
+        print(f"timeline   {timeline_png(plan, prediction, args.timeline)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "explain":
+            return _explain_command(argv[1:])
+        return _plan_command(argv)
+    except HeteroError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

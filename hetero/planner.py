@@ -1,0 +1,529 @@
+"""The planner: the fastest plan that fits in memory, found without launching anything.
+
+Devices fall into classes: one device type inside one fabric group. Megatron fixes one
+tensor-parallel degree for the job and one stage split for all replicas (a data-parallel
+group reduces the same layers), but replicas may sit on different devices and run
+different numbers of micro-batches. Three families of plans cover the useful shapes:
+
+- cross-class pipelines (HetHub, Holmes): every replica holds k_c stages of each class c;
+  faster classes' stages hold more layers; data-parallel groups stay inside one class
+  (one fabric) and only pipeline boundaries cross the slow links. Enumerated by the
+  data-parallel degree d, with k_c = (tensor-parallel groups of c) // d.
+- class-pure replicas (Poplar, Sailor): each replica lies in one class; micro-batches go
+  to replicas in proportion to their speed.
+- launch order: Megatron's own placement (ranks in launch order, stage-major), which packs
+  each stage's data-parallel group onto the fewest nodes, with the planner's stage split
+  and micro-batch counts. Megatron's uniform plan is one point of this family.
+
+For every tensor-parallel degree and micro-batch size each candidate gets a fast estimate
+(per-stage times, memory caps, the min-max layer split, micro-batches by replica speed);
+the best of each family and overall are placed on concrete devices (for the first two
+families in two orders: a replica's stages side by side, or a stage's replicas side by
+side) and judged by the exact predictor. Deterministic for the same input.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from hetero.cluster import Cluster
+from hetero.costs import CostModel, Precision
+from hetero.errors import HeteroError
+from hetero.memory import DEFAULT_OVERHEAD_GIB, FRAMEWORK_OVERHEAD_GIB, GIB, capacity_bytes, stage_params
+from hetero.model import ModelSpec
+from hetero.placement import (
+    ORDERS,
+    GroupPart,
+    class_group_part,
+    launch_group_parts,
+    launch_patterns,
+    launch_runs,
+    neighbours_share_node,
+    place,
+    representative_hosts,
+)
+from hetero.plan import Plan
+from hetero.predictor import Prediction, TrainingSetup, predict
+from hetero.profiles import Profiles
+
+FAMILIES = ("cross-class", "class-pure", "launch-order")
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    setup: TrainingSetup = TrainingSetup()
+    exact_candidates: int = 4
+    """How many of the best estimates overall the exact predictor judges..."""
+    exact_per_family: int = 1
+    """...plus this many of each family's best."""
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    device_type: str
+    group: str
+    vendor: str
+    hosts: tuple[str, ...]
+    devices_per_node: int
+
+    def tp_groups(self, tensor_parallel: int) -> list[tuple[str, int]]:
+        """(host, first local device) of every tensor-parallel group, in launch order."""
+        per_node = self.devices_per_node // tensor_parallel
+        return [(h, i * tensor_parallel) for h in self.hosts for i in range(per_node)]
+
+
+@dataclass
+class Candidate:
+    family: str
+    order: str
+    """Placement order the estimate assumed (placement.ORDERS)."""
+    tensor_parallel: int
+    micro_batch_size: int
+    layers: list[int]
+    replica_classes: list[tuple[int, ...]]
+    """Class index of each stage, per replica."""
+    micro_batches: list[int]
+    estimate_s: float
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    prediction: Prediction
+    family: str
+    search_time_s: float
+    candidates_estimated: int
+
+
+def device_classes(cluster: Cluster) -> list[DeviceClass]:
+    classes: dict[tuple[str, str, int], list[str]] = {}
+    for node in cluster.nodes:
+        classes.setdefault((node.device.name, node.group, node.count), []).append(node.host)
+    return [DeviceClass(t, g, cluster.devices[t].vendor, tuple(hosts), count)
+            for (t, g, count), hosts in classes.items()]
+
+
+def split_layers(num_layers: int, per_layer: list[float], extra: list[float],
+                 caps: list[int]) -> list[int] | None:
+    """Integer layers per stage minimising the slowest stage, within memory caps.
+
+    Stage s takes layers[s] * per_layer[s] + extra[s]. Each layer goes where the resulting
+    stage time is smallest, which is optimal for this separable min-max problem. None if
+    the caps cannot hold num_layers with at least one layer per stage.
+    """
+    stages = len(per_layer)
+    if stages > num_layers or min(caps) < 1 or sum(caps) < num_layers:
+        return None
+    layers = [1] * stages
+    heap = [(2 * per_layer[s] + extra[s], s) for s in range(stages) if caps[s] > 1]
+    heapq.heapify(heap)
+    for _ in range(num_layers - stages):
+        _, s = heapq.heappop(heap)
+        layers[s] += 1
+        if layers[s] < caps[s]:
+            heapq.heappush(heap, ((layers[s] + 1) * per_layer[s] + extra[s], s))
+    return layers
+
+
+def allocate_micro_batches(total: int, replicas: dict, shape: dict) -> dict | None:
+    """Micro-batches per replica so that all finish together.
+
+    replicas[k]: how many replicas have shape k; shape[k] = (fill, step): a replica of that
+    shape running m micro-batches takes fill + m * step. Returns {k: [m per replica]}.
+    Replicas of one shape are interchangeable: start from the continuous solution (all
+    finish at T with sum_k n_k (T - fill_k) / step_k = total), round down, then hand out
+    what is left one shape-round at a time to whoever finishes earliest, and take back
+    any excess from those finishing last.
+    """
+    if total < sum(replicas.values()):
+        return None
+    rate = sum(n / shape[k][1] for k, n in replicas.items())
+    finish = (total + sum(n * shape[k][0] / shape[k][1] for k, n in replicas.items())) / rate
+    per = {k: max(1, int((finish - shape[k][0]) / shape[k][1])) for k in replicas}
+    given = sum(replicas[k] * per[k] for k in replicas)
+    while given < total:
+        k = min(replicas, key=lambda k: (shape[k][0] + (per[k] + 1) * shape[k][1], k))
+        per[k] += 1
+        given += replicas[k]
+    while True:  # take back from whoever finishes last: whole rounds, then part of one
+        k = max((k for k in replicas if per[k] > 1), key=lambda k: (shape[k][0] + per[k] * shape[k][1], k),
+                default=None)
+        if k is None or given - total < replicas[k]:
+            break
+        per[k] -= 1
+        given -= replicas[k]
+    lowered = {k: 0 for k in replicas}
+    if given > total:
+        lowered[k] = given - total
+    return {k: [per[k]] * (replicas[k] - lowered[k]) + [per[k] - 1] * lowered[k] for k in replicas}
+
+
+class Planner:
+    def __init__(self, cluster: Cluster, model: ModelSpec, global_batch_size: int,
+                 options: PlannerOptions = PlannerOptions(), profiles: Profiles | None = None):
+        self.cluster, self.model, self.options = cluster, model, options
+        self.global_batch_size = global_batch_size
+        self.setup = options.setup
+        self.costs = CostModel(cluster, model, Precision(self.setup.precision), profiles,
+                               self.setup.flash_attention)
+        self.classes = device_classes(cluster)
+        self._class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
+        self.estimated = 0
+        self._cache: dict[tuple, object] = {}
+
+    def _memo(self, key: tuple, compute: Callable[[], object]):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    # ----- per-class building blocks ------------------------------------------------------
+
+    def _layer_time(self, c: int, tp: int, mbs: int) -> float:
+        def compute() -> float:
+            cl = self.classes[c]
+            forward, backward = self.costs.layer_times(cl.device_type, tp, mbs)
+            message = self.costs.activation_message_bytes(mbs)
+            return forward + backward + 4 * self.costs.tp_allreduce(cl.hosts[0], tp, message)
+        return self._memo(("layer", c, tp, mbs), compute)
+
+    def _logits_time(self, c: int, tp: int, mbs: int) -> float:
+        return self._memo(("logits", c, tp, mbs),
+                          lambda: sum(self.costs.logits_times(self.classes[c].device_type, tp, mbs)))
+
+    def _bytes_per_param(self, dp: int) -> float:
+        v = self.costs.precision.value_bytes
+        optimizer = 12 if v < 4 else 8
+        if self.setup.distributed_optimizer:
+            optimizer /= dp
+        return v + self.costs.precision.grad_bytes + optimizer
+
+    def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
+        """Most decoder layers stage `stage` can hold on a device of class c."""
+        key = ("cap", c, tp, mbs, dp, min(stages - stage, self.global_batch_size // mbs),
+               stage == 0, stage == stages - 1)
+        return self._memo(key, lambda: self._compute_layer_cap(c, tp, mbs, dp, stage, stages))
+
+    def _compute_layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
+        m, costs, cl = self.model, self.costs, self.classes[c]
+        per_param = self._bytes_per_param(dp)
+        in_flight = min(stages - stage, self.global_batch_size // mbs)
+        fixed = FRAMEWORK_OVERHEAD_GIB.get(cl.vendor, DEFAULT_OVERHEAD_GIB) * GIB
+        if stage == 0:
+            fixed += m.embedding_params() / tp * per_param + in_flight * costs.activation_message_bytes(mbs)
+        if stage == stages - 1:
+            fixed += m.output_params() / tp * per_param + in_flight * m.logits_activation_bytes(
+                mbs, tp, costs.precision.value_bytes)
+        per_layer = m.layer_params() / tp * per_param + in_flight * costs.layer_activation_bytes(tp, mbs)
+        room = capacity_bytes(self.cluster.devices[cl.device_type].memory_gib) - fixed
+        return max(0, int(room // per_layer))
+
+    def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
+        """One activation across a pipeline boundary from class a to class b."""
+        key = ("send", a, b, tp, mbs, same_node, crossings)
+        if key not in self._cache:
+            ca, cb = self.classes[a], self.classes[b]
+            message = self.costs.activation_message_bytes(mbs)
+            if a == b:
+                other = ca.hosts[0] if same_node or len(ca.hosts) == 1 else ca.hosts[1]
+                self._cache[key] = self.costs.p2p(ca.hosts[0], other, message)
+            else:
+                self._cache[key] = self.costs.p2p(ca.hosts[0], cb.hosts[0], message, crossings)
+        return self._cache[key]
+
+    def _group_terms(self, parts: tuple[GroupPart, ...], crossings: int) -> tuple[float, float]:
+        key = ("terms", parts, crossings)
+        if key not in self._cache:
+            hosts = representative_hosts(parts, self.classes)
+            spans = len({self.classes[c].group for c, *_ in parts}) > 1
+            self._cache[key] = self.costs.allreduce_terms(hosts, crossings if spans else 1)
+        return self._cache[key]
+
+    def _reduce_time(self, terms: tuple[float, float], params: float) -> float:
+        """Gradient reduction of `params` over a group with all-reduce `terms` (one phase)."""
+        per_byte, fixed = terms
+        if params == 0 or per_byte == 0:
+            return 0.0
+        grad = params * self.costs.precision.grad_bytes
+        if self.setup.distributed_optimizer:  # reduce-scatter gradients, all-gather weights
+            value = params * self.costs.precision.value_bytes
+            return (grad + value) * per_byte + 2 * fixed
+        return 2 * (grad * per_byte + fixed)
+
+    def _stage_params(self, layers: list[int], s: int) -> float:
+        first, last, stages = s == 0, s == len(layers) - 1, len(layers)
+        key = ("params", layers[s], first, last, stages > 1)
+        if key not in self._cache:
+            self._cache[key] = stage_params(self.costs, layers[s], first, last, stages)
+        return self._cache[key]
+
+    # ----- judging a shape --------------------------------------------------------------
+
+    def _judge(self, family: str, order: str, tp: int, mbs: int,
+               patterns: list[tuple[tuple[int, ...], int]], dp_parts: list[tuple[GroupPart, ...]],
+               same_node: dict[int, bool]) -> Candidate | None:
+        """Stage split, micro-batches and an estimated iteration time.
+
+        patterns: (class of each stage, number of replicas like that), in replica order;
+        dp_parts[s]: where stage s's data-parallel group lies; same_node[c]: whether a
+        replica's consecutive stages of class c share a node in this order.
+        """
+        self.estimated += 1
+        d = sum(n for _, n in patterns)
+        stages = len(patterns[0][0])
+        total_mb = self.global_batch_size // mbs
+        if total_mb < d or stages > self.model.num_layers:
+            return None
+        distinct = sorted({p for p, _ in patterns})
+        at_stage = [sorted({p[s] for p in distinct}) for s in range(stages)]
+        caps = [min(self._layer_cap(c, tp, mbs, d, s, stages) for c in at_stage[s]) for s in range(stages)]
+        if min(caps) < 1:
+            return None
+        crossings = d * tp  # every replica's transfer at a boundary runs at once
+
+        def sends(pattern: tuple[int, ...]) -> list[float]:
+            out = [0.0] * stages
+            for s in range(stages - 1):
+                a, b = pattern[s], pattern[s + 1]
+                forward = self._send_time(a, b, tp, mbs, same_node.get(a, False), crossings)
+                backward = self._send_time(b, a, tp, mbs, same_node.get(a, False), crossings)
+                out[s] += forward
+                out[s + 1] += backward
+            return out
+
+        pattern_sends = {p: sends(p) for p in distinct}
+        per_layer = [max(self._layer_time(c, tp, mbs) for c in at_stage[s]) for s in range(stages)]
+        extra = [max(pattern_sends[p][s] for p in distinct) for s in range(stages)]
+        extra[-1] += max(self._logits_time(c, tp, mbs) for c in at_stage[-1])
+        layers = split_layers(self.model.num_layers, per_layer, extra, caps)
+        if layers is None:
+            return None
+        shape = {}
+        for p in distinct:
+            work = [n * self._layer_time(c, tp, mbs) + x for n, c, x in zip(layers, p, pattern_sends[p])]
+            work[-1] += self._logits_time(p[-1], tp, mbs)
+            shape[p] = (sum(work) - max(work), max(work))
+        counts: dict[tuple, int] = {}
+        for p, n in patterns:
+            counts[p] = counts.get(p, 0) + n
+        micro = allocate_micro_batches(total_mb, counts, shape)
+        if micro is None:
+            return None
+        pipeline = max(shape[p][0] + m * shape[p][1] for p in micro for m in micro[p])
+        spanning = sum(len({self.classes[c].group for c, *_ in parts}) > 1 for parts in dp_parts)
+        group_crossings = max(1, tp * spanning)
+        reduce = max(self._reduce_time(self._group_terms(dp_parts[s], group_crossings),
+                                       self._stage_params(layers, s) / tp) for s in range(stages))
+        share = d if self.setup.distributed_optimizer else 1
+        optimizer = max(self.costs.optimizer_step(self.classes[c].device_type,
+                                                  self._stage_params(layers, s) / tp / share)
+                        for s in range(stages) for c in at_stage[s])
+        given = {p: iter(micro[p]) for p in micro}
+        replica_classes = [p for p, n in patterns for _ in range(n)]
+        micro_batches = [next(given[p]) for p in replica_classes]
+        return Candidate(family, order, tp, mbs, layers, replica_classes, micro_batches,
+                         pipeline + reduce + optimizer)
+
+    # ----- the three families -----------------------------------------------------------
+
+    def _per_node(self, c: int, tp: int) -> int:
+        return self.classes[c].devices_per_node // tp
+
+    def _cross_class(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
+        groups = {c: len(self.classes[c].tp_groups(tp)) for c in classes}
+        seen: set[tuple[int, ...]] = set()
+        for d in range(1, max(groups.values()) + 1):
+            k = tuple(groups[c] // d for c in classes)
+            if 0 in k or k in seen:
+                continue
+            seen.add(k)
+            d_use = min(min(groups[c] // kc for c, kc in zip(classes, k)), self.global_batch_size // mbs)
+            if sum(k) > self.model.num_layers or d_use < 1:
+                continue
+            counts = dict(zip(classes, k))
+            for class_order in self._class_orders(classes):
+                pattern = tuple(c for c in class_order for _ in range(counts[c]))
+                local = [pattern[:s].count(c) for s, c in enumerate(pattern)]  # stage index in its class
+                for order in ORDERS:
+                    parts = [(class_group_part(c, self._per_node(c, tp), d_use, counts[c], j, order),)
+                             for c, j in zip(pattern, local)]
+                    same = {c: neighbours_share_node(self._per_node(c, tp), d_use, counts[c], order)
+                            for c in classes}
+                    candidate = self._judge("cross-class", order, tp, mbs, [(pattern, d_use)], parts, same)
+                    if candidate is not None:
+                        yield candidate
+
+    def _class_orders(self, classes: list[int]) -> list[tuple[int, ...]]:
+        """Stage orders worth trying: all of them for few classes, else grouped by fabric."""
+        if len(classes) <= 3:
+            return list(itertools.permutations(classes))
+        by_group: dict[str, list[int]] = {}
+        for c in classes:
+            by_group.setdefault(self.classes[c].group, []).append(c)
+        orders = []
+        for groups in itertools.permutations(sorted(by_group)):
+            order = [c for g in groups for c in sorted(
+                by_group[g], key=lambda c: -self.cluster.devices[self.classes[c].device_type].memory_gib)]
+            orders.append(tuple(order))
+            if len(orders) >= 6:
+                break
+        return orders
+
+    def _stage_counts(self) -> "_StageSweep":
+        return _StageSweep(self.model.num_layers)
+
+    def _class_pure(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
+        groups = {c: len(self.classes[c].tp_groups(tp)) for c in classes}
+        sweep = self._stage_counts()
+        for stages in sweep:
+            replicas = {c: groups[c] // stages for c in sorted(classes) if groups[c] // stages}
+            if not replicas:
+                break
+            patterns = [(tuple([c] * stages), n) for c, n in replicas.items()]
+            for order in ORDERS:
+                parts = [tuple(class_group_part(c, self._per_node(c, tp), n, stages, s, order)
+                               for c, n in replicas.items()) for s in range(stages)]
+                same = {c: neighbours_share_node(self._per_node(c, tp), n, stages, order)
+                        for c, n in replicas.items()}
+                candidate = self._judge("class-pure", order, tp, mbs, patterns, parts, same)
+                sweep.record(stages, candidate)
+                if candidate is not None:
+                    yield candidate
+
+    def _launch_order(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
+        runs = launch_runs(self.cluster, self._class_of, set(classes), tp)
+        total = runs[-1].end_group if runs else 0
+        sweep = self._stage_counts()
+        for stages in sweep:
+            d = total // stages
+            if d < 1:
+                break
+            patterns = launch_patterns(runs, d, stages)
+            parts = [launch_group_parts(runs, s * d, d) for s in range(stages)]
+            same = {c: False for c in classes}  # neighbours are d groups apart
+            candidate = self._judge("launch-order", "stage-major", tp, mbs, patterns, parts, same)
+            sweep.record(stages, candidate)
+            if candidate is not None:
+                yield candidate
+
+    # ----- from a candidate to a plan -----------------------------------------------------
+
+    def materialize(self, candidate: Candidate, order: str) -> Plan:
+        return place(self.cluster, self.classes, candidate.tensor_parallel, candidate.micro_batch_size,
+                     candidate.layers, candidate.replica_classes, candidate.micro_batches, order)
+
+    # ----- search -------------------------------------------------------------------------
+
+    def candidates(self, progress: Callable[[str], None] | None = None) -> list[Candidate]:
+        sizes = self.options.micro_batch_sizes
+        if not any(self.global_batch_size % mbs == 0 for mbs in sizes):
+            raise HeteroError(
+                f"global batch size {self.global_batch_size} is not divisible by any micro-batch "
+                f"size tried ({', '.join(map(str, sizes))}); choose a global batch that is"
+            )
+        found: list[Candidate] = []
+        everyone = list(range(len(self.classes)))
+        subsets = [everyone] + ([[c for c in everyone if c != drop] for drop in everyone]
+                                if len(everyone) > 1 else [])
+        for tp in self.options.tensor_parallel:
+            for mbs in self.options.micro_batch_sizes:
+                if self.global_batch_size % mbs:
+                    continue
+                if progress:
+                    progress(f"TP={tp} micro-batch={mbs}")
+                for subset in subsets:
+                    usable = [c for c in subset if self.classes[c].devices_per_node >= tp]
+                    if not usable or (subset is not everyone and len(usable) == len(everyone)):
+                        continue
+                    found.extend(self._class_pure(tp, mbs, usable))
+                    if len(usable) > 1:  # on one class the other families are the same plans
+                        found.extend(self._cross_class(tp, mbs, usable))
+                        found.extend(self._launch_order(tp, mbs, usable))
+        return found
+
+    def _shortlist(self, found: list[Candidate]) -> list[Candidate]:
+        """The best estimates overall, plus each family's best: estimates are rough, and
+        the exact predictor is the judge."""
+        found = sorted(found, key=lambda c: (c.estimate_s, c.family, c.tensor_parallel, c.micro_batch_size))
+        chosen = _distinct(found)[: self.options.exact_candidates]
+        for family in FAMILIES:
+            chosen += _distinct([c for c in found if c.family == family])[: self.options.exact_per_family]
+        unique, seen = [], set()
+        for c in chosen:
+            if id(c) not in seen:
+                seen.add(id(c))
+                unique.append(c)
+        return unique
+
+    def plan(self, progress: Callable[[str], None] | None = None) -> PlanResult:
+        if self.global_batch_size < 1:
+            raise HeteroError("global batch size must be at least 1")
+        start = time.perf_counter()
+        found = self.candidates(progress)
+        best: tuple[float, Plan, Prediction, str] | None = None
+        shortlist = self._shortlist(found)
+        trials = [(c, c.order) for c in shortlist]
+        trials += [(c, o) for c in shortlist[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
+        for candidate, order in trials:
+            plan = self.materialize(candidate, order)
+            prediction = predict(plan, self.cluster, self.costs, self.setup)
+            if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
+                best = (prediction.iteration_time_s, plan, prediction, candidate.family)
+        if best is None:
+            raise HeteroError(self._why_nothing_fits())
+        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated)
+
+    def _why_nothing_fits(self) -> str:
+        largest = max(self.cluster.devices[c.device_type].memory_gib for c in self.classes)
+        return (
+            f"no plan fits: {self.model.total_params() / 1e9:.1f}B parameters at global batch "
+            f"{self.global_batch_size} do not fit the memory of cluster {self.cluster.name} "
+            f"({self.cluster.num_devices} devices, largest {largest:g} GiB) under any TP "
+            f"{self.options.tensor_parallel} x PP x DP split; add devices, lower the micro-batch "
+            "size or sequence length, or use the distributed optimizer"
+        )
+
+
+class _StageSweep:
+    """Pipeline depths 1, 2, ... for one family, stopping once `patience` depths in a row
+    have all estimated more than `margin` above the best so far: past the smallest depth
+    that fits in memory, a deeper pipeline only adds bubbles and transfers."""
+
+    patience, margin = 4, 1.15
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.best = float("inf")
+        self.worse_in_a_row = 0
+        self.depth_best = float("inf")
+
+    def __iter__(self):
+        for stages in range(1, self.num_layers + 1):
+            self.depth_best = float("inf")
+            yield stages
+            if self.depth_best < float("inf"):
+                self.best = min(self.best, self.depth_best)
+                self.worse_in_a_row = self.worse_in_a_row + 1 if self.depth_best > self.margin * self.best else 0
+                if self.worse_in_a_row >= self.patience:
+                    return
+
+    def record(self, stages: int, candidate: Candidate | None) -> None:
+        if candidate is not None:
+            self.depth_best = min(self.depth_best, candidate.estimate_s)
+
+
+def _distinct(candidates: list[Candidate]) -> list[Candidate]:
+    """One per (family, TP, micro-batch, stages, replicas), best first, so the exact
+    predictor sees different shapes rather than near copies of one."""
+    seen, out = set(), []
+    for c in candidates:
+        key = (c.family, c.order, c.tensor_parallel, c.micro_batch_size, len(c.layers), len(c.replica_classes))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out

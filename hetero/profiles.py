@@ -1,0 +1,139 @@
+"""Measured profiles that replace the predictor's analytical estimates.
+
+A profile directory holds JSON files of two kinds (tools/ writes them):
+
+compute - one device type, one model shape, timings per (tensor parallel, micro-batch):
+
+    {"kind": "compute", "device_type": "A100-40GB", "precision": "bf16",
+     "model": {"hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 32,
+               "ffn_hidden_size": 11008, "seq_length": 4096, "swiglu": true, "vocab_size": 32000},
+     "entries": [{"tensor_parallel": 1, "micro_batch_size": 1,
+                  "layer_forward_s": 0.0071, "layer_backward_s": 0.0139,
+                  "layer_activation_bytes": 1.1e9,                      # optional
+                  "logits_forward_s": 0.004, "logits_backward_s": 0.008}]}   # optional
+
+links - measured point-to-point routes between hosts (a host with itself: inside a node):
+
+    {"kind": "links", "links": [{"hosts": ["a0", "b0"], "bandwidth_gbs": 11.2, "latency_us": 14}]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hetero.errors import HeteroError
+from hetero.model import ModelSpec
+from hetero.validation import describe_validation_error
+
+def model_shape(model: ModelSpec) -> dict:
+    """The fields a per-layer timing depends on (layer count does not matter)."""
+    return {
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.query_groups,
+        "ffn_hidden_size": model.ffn,
+        "seq_length": model.seq_length,
+        "swiglu": model.swiglu,
+        "vocab_size": model.vocab_size,
+    }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComputeEntry(_Strict):
+    tensor_parallel: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    layer_forward_s: float = Field(gt=0)
+    layer_backward_s: float = Field(gt=0)
+    layer_activation_bytes: float | None = Field(default=None, ge=0)
+    logits_forward_s: float | None = Field(default=None, ge=0)
+    logits_backward_s: float | None = Field(default=None, ge=0)
+
+
+class ComputeProfile(_Strict):
+    kind: Literal["compute"]
+    device_type: str
+    precision: str = "bf16"
+    model: dict
+    entries: list[ComputeEntry] = Field(min_length=1)
+    measured_on: str | None = None
+
+
+class LinkEntry(_Strict):
+    hosts: tuple[str, str]
+    bandwidth_gbs: float = Field(gt=0)
+    latency_us: float = Field(ge=0)
+
+
+class LinkProfile(_Strict):
+    kind: Literal["links"]
+    links: list[LinkEntry]
+    measured_on: str | None = None
+
+
+class Profiles:
+    """All profiles of a directory, looked up by device type / host pair."""
+
+    def __init__(self, compute: list[ComputeProfile] = (), links: list[LinkProfile] = ()):
+        self.compute = list(compute)
+        self.links: dict[frozenset, LinkEntry] = {}
+        for profile in links:
+            for link in profile.links:
+                self.links[frozenset(link.hosts)] = link
+
+    @classmethod
+    def load_dir(cls, directory: str | os.PathLike) -> "Profiles":
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise HeteroError(f"profile directory {directory} does not exist")
+        compute, links = [], []
+        for path in sorted(directory.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise HeteroError(f"profile {path} is not valid JSON: {err}") from None
+            kind = data.get("kind") if isinstance(data, dict) else None
+            schema = {"compute": ComputeProfile, "links": LinkProfile}.get(kind)
+            if schema is None:
+                raise HeteroError(f"profile {path}: \"kind\" must be \"compute\" or \"links\", got {kind!r}")
+            try:
+                (compute if kind == "compute" else links).append(schema.model_validate(data))
+            except ValidationError as err:
+                raise HeteroError(describe_validation_error(
+                    err, str(path), f"{kind} profile", "See hetero/profiles.py for the format.")) from None
+        return cls(compute, links)
+
+    def compute_profile(self, device_type: str, model: ModelSpec, precision: str) -> ComputeProfile | None:
+        shape = model_shape(model)
+        for profile in self.compute:
+            if (profile.device_type == device_type and profile.precision == precision
+                    and all(profile.model.get(k) == v for k, v in shape.items())):
+                return profile
+        return None
+
+    def missing(self, device_types: list[str], model: ModelSpec, precision: str) -> list[str]:
+        return [d for d in device_types if self.compute_profile(d, model, precision) is None]
+
+    @staticmethod
+    def entry(profile: ComputeProfile, tensor_parallel: int, micro_batch_size: int) -> tuple[ComputeEntry, float]:
+        """The measured entry for (tp, mbs), or the closest one and the factor to scale it by.
+
+        Per-layer time grows about linearly in micro-batch size and shrinks about linearly
+        in tensor-parallel size; the closest entry is scaled by that ratio.
+        """
+        def distance(e: ComputeEntry) -> tuple:
+            return (e.tensor_parallel != tensor_parallel, abs(e.micro_batch_size - micro_batch_size))
+
+        best = min(profile.entries, key=distance)
+        scale = (micro_batch_size / best.micro_batch_size) * (best.tensor_parallel / tensor_parallel)
+        return best, scale
+
+    def link(self, host_a: str, host_b: str) -> LinkEntry | None:
+        return self.links.get(frozenset((host_a, host_b)))

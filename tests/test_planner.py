@@ -1,0 +1,125 @@
+"""The planner on cases whose optimum is known by reasoning."""
+
+from pathlib import Path
+
+import pytest
+
+from hetero.baseline import megatron_baseline, upper_bound
+from hetero.cluster import Cluster
+from hetero.errors import HeteroError
+from hetero.model import PRESETS, ModelSpec
+from hetero.planner import Planner, PlannerOptions, allocate_micro_batches, split_layers
+
+CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+FAST_SLOW = {
+    "fast": {"vendor": "nvidia", "memory_gib": 40, "peak_tflops": 200, "memory_bandwidth_gbs": 2000},
+    "slow": {"vendor": "nvidia", "memory_gib": 40, "peak_tflops": 100, "memory_bandwidth_gbs": 1000},
+}
+
+
+def _two_kinds(count: int) -> Cluster:
+    nodes = [{"host": h, "device": h, "count": count, "intra_link": "nvlink3",
+              "nic": {"kind": "ib", "gbps": 800}} for h in ("fast", "slow")]
+    return Cluster.from_dict({"name": "fast-slow", "devices": FAST_SLOW,
+                              "groups": [{"name": "g", "nodes": nodes}]})
+
+
+def _stage_devices(plan):
+    return [plan.device_of_logical(plan.tensor_parallel * plan.data_parallel * s).device_type
+            for s in range(plan.pipeline_parallel)]
+
+
+def test_split_layers_balances_and_respects_caps():
+    assert split_layers(12, [1.0, 2.0], [0.0, 0.0], [12, 12]) == [8, 4]
+    assert split_layers(12, [1.0, 2.0], [0.0, 0.0], [6, 12]) == [6, 6]  # memory caps the fast one
+    assert split_layers(10, [1.0, 1.0], [0.0, 3.0], [10, 10]) == [7, 3]  # the last stage's logits
+    assert split_layers(3, [1.0] * 4, [0.0] * 4, [9] * 4) is None  # a stage would be empty
+    assert split_layers(12, [1.0, 1.0], [0.0, 0.0], [5, 5]) is None  # does not fit
+
+
+def test_micro_batches_go_by_speed():
+    micro = allocate_micro_batches(30, {"fast": 1, "slow": 1}, {"fast": (0.0, 1.0), "slow": (0.0, 2.0)})
+    assert micro == {"fast": [20], "slow": [10]}
+
+
+def test_twice_as_fast_devices_get_twice_the_layers():
+    # Neither device holds the 12 layers alone (18 bytes per parameter of ~200M-parameter
+    # layers), so the pipeline must span both: the fast one should take 8, the slow one 4.
+    model = ModelSpec(num_layers=12, hidden_size=4096, num_attention_heads=32, seq_length=1024, vocab_size=1024)
+    result = Planner(_two_kinds(1), model, 64, PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1,))).plan()
+    plan = result.plan
+    assert plan.pipeline_parallel == 2 and plan.data_parallel == 1
+    layers = dict(zip(_stage_devices(plan), (s.num_layers for s in plan.stages)))
+    assert layers == {"fast": 8, "slow": 4}
+
+
+def test_twice_as_fast_replicas_get_twice_the_micro_batches():
+    # The model fits on one device: no pipeline, one replica per device, work by speed.
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=1024)
+    plan = Planner(_two_kinds(4), model, 192, PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1,))).plan().plan
+    assert plan.pipeline_parallel == 1 and plan.data_parallel == 8
+    per_type = {}
+    for d, replica in enumerate(plan.replicas):
+        per_type.setdefault(plan.device_of_logical(d).device_type, []).append(replica.num_micro_batches)
+    assert sum(per_type["fast"]) == pytest.approx(2 * sum(per_type["slow"]), abs=4)
+
+
+def test_holmes_like_keeps_data_parallel_inside_fabrics():
+    cluster = Cluster.load(CLUSTERS / "holmes_like.yaml")
+    result = Planner(cluster, PRESETS["gpt-3.6b"], 512).plan()
+    plan = result.plan
+    group = {n.host: n.group for n in cluster.nodes}
+    tp, dp = plan.tensor_parallel, plan.data_parallel
+    for s in range(plan.pipeline_parallel):
+        for t in range(tp):
+            fabrics = {group[plan.device_of_logical(t + tp * (d + dp * s)).host] for d in range(dp)}
+            assert len(fabrics) == 1, f"stage {s}'s data-parallel group spans {fabrics}"
+    for d in range(dp):  # each pipeline crosses from one fabric to the next only once
+        path = [group[plan.device_of_logical(tp * (d + dp * s)).host] for s in range(plan.pipeline_parallel)]
+        crossings = sum(a != b for a, b in zip(path, path[1:]))
+        assert crossings == len(set(path)) - 1
+    baseline = megatron_baseline(cluster, PRESETS["gpt-3.6b"], 512)
+    assert result.prediction.iteration_time_s < baseline.prediction.iteration_time_s
+
+
+def test_smaller_memory_takes_fewer_layers_where_megatron_cannot_fit():
+    cluster = Cluster.load(CLUSTERS / "poplar_like.yaml")
+    model = PRESETS["llama2-70b"]
+    result = Planner(cluster, model, 512).plan()
+    assert result.prediction.fits
+    layers: dict[str, list[int]] = {}
+    for device, stage in zip(_stage_devices(result.plan), result.plan.stages):
+        layers.setdefault(device, []).append(stage.num_layers)
+    assert min(layers["A100-80GB"]) > max(layers["A100-40GB"]) - 1
+    assert sum(layers["A100-80GB"]) / len(layers["A100-80GB"]) > sum(layers["A100-40GB"]) / len(layers["A100-40GB"])
+    assert megatron_baseline(cluster, model, 512) is None  # no uniform plan fits at all
+
+
+@pytest.mark.parametrize("name, model, gbs", [
+    ("sailor_like_128.yaml", "llama2-7b", 512),
+    ("poplar_like.yaml", "llama2-13b", 512),
+])
+def test_never_slower_than_megatron_and_within_the_upper_bound(name, model, gbs):
+    cluster = Cluster.load(CLUSTERS / name)
+    spec = PRESETS[model].with_seq_length(2048)
+    result = Planner(cluster, spec, gbs).plan()
+    baseline = megatron_baseline(cluster, spec, gbs)
+    assert result.prediction.iteration_time_s <= baseline.prediction.iteration_time_s * (1 + 1e-9)
+    bound = upper_bound(cluster, spec, gbs)
+    assert 0.85 < result.prediction.tokens_per_s / bound.tokens_per_s <= 1.02
+
+
+def test_deterministic():
+    cluster = Cluster.load(CLUSTERS / "sailor_like_128.yaml")
+    model = PRESETS["llama2-7b"].with_seq_length(2048)
+    first = Planner(cluster, model, 512).plan().plan.to_dict()
+    assert Planner(cluster, model, 512).plan().plan.to_dict() == first
+
+
+def test_infeasible_inputs_are_clear_errors():
+    tiny = _two_kinds(1)
+    with pytest.raises(HeteroError, match=r"no plan fits: 69\.0B parameters"):
+        Planner(tiny, PRESETS["llama2-70b"], 16).plan()
+    model = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
+    with pytest.raises(HeteroError, match="global batch size 10 is not divisible by any micro-batch size tried"):
+        Planner(tiny, model, 10, PlannerOptions(micro_batch_sizes=(4, 8))).plan()

@@ -1,0 +1,162 @@
+"""The predictor against cases computed by hand."""
+
+import json
+
+import pytest
+
+from hetero.cluster import Cluster
+from hetero.costs import CostModel, Precision
+from hetero.memory import GIB, rank_memory
+from hetero.model import PRESETS, ModelSpec
+from hetero.plan import DeviceEntry, Plan
+from hetero.predictor import TrainingSetup, predict
+from hetero.profiles import Profiles
+from hetero.schedule import StageTiming, makespan, op_order, simulate_1f1b
+
+
+def _cluster(nodes, inter=()):
+    groups = {}
+    for node in nodes:
+        groups.setdefault(node.pop("group", "g"), []).append(node)
+    return Cluster.from_dict({
+        "name": "hand",
+        "devices": {"amd-gpu": {"vendor": "amd", "memory_gib": 64, "peak_tflops": 100,
+                                "memory_bandwidth_gbs": 1000}},
+        "groups": [{"name": g, "nodes": n} for g, n in groups.items()],
+        "inter_group": list(inter),
+    })
+
+
+def _node(host, count=1, device="A100-80GB", gbps=100, kind="ib", group="g"):
+    return {"host": host, "device": device, "count": count, "intra_link": "nvlink3",
+            "nic": {"kind": kind, "gbps": gbps}, "group": group}
+
+
+# ----- 1F1B schedule ------------------------------------------------------------------
+
+
+def test_megatron_1f1b_op_order():
+    assert op_order(0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert op_order(1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert op_order(0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # warm-up capped by m
+
+
+def test_uneven_two_stage_pipeline_by_hand():
+    # Stage 1 is twice as slow. Worked by hand:
+    # s0 F0[0,1] F1[1,2]; s1 F0[1,3] B0[3,7]; s0 B0[7,9]; s1 F1[7,9] B1[9,13];
+    # s0 F2[9,10] B1[13,15]; s1 F2[13,15] B2[15,19]; s0 B2[19,21].
+    ops = simulate_1f1b([StageTiming(1, 2), StageTiming(2, 4)], 3)
+    assert [(o.kind, o.micro_batch, o.start, o.end) for o in ops[0]] == [
+        ("F", 0, 0, 1), ("F", 1, 1, 2), ("B", 0, 7, 9), ("F", 2, 9, 10), ("B", 1, 13, 15), ("B", 2, 19, 21)]
+    assert makespan(ops) == 21
+
+
+def test_uniform_pipeline_matches_closed_form_and_sends_block():
+    assert makespan(simulate_1f1b([StageTiming(1, 2)] * 4, 8)) == (8 + 4 - 1) * 3
+    # A blocking send adds to its sender's op: two stages, send 0.5 each way.
+    ops = simulate_1f1b([StageTiming(1, 2, send_forward_s=0.5), StageTiming(1, 2, send_backward_s=0.5)], 1)
+    assert makespan(ops) == pytest.approx(1.5 + 1 + 2.5 + 2)
+
+
+# ----- communication ------------------------------------------------------------------
+
+
+def test_ring_allreduce_across_hosts_by_hand():
+    cluster = _cluster([_node(h) for h in "abcd"])
+    costs = CostModel(cluster, PRESETS["gpt-1.7b"], Precision("bf16"))
+    share = 100e9 / 8 * 0.9  # one device per node gets the whole 100 Gb/s NIC at 90%
+    expected = 2 * 3 / 4 * 1e9 / share + 2 * 3 * 2e-6
+    assert costs.group_allreduce(list("abcd"), 1e9) == pytest.approx(expected)
+    assert costs.group_allreduce(list("abcd"), 1e9, phases=1) == pytest.approx(expected / 2)
+
+
+def test_hierarchical_allreduce_two_hosts_two_members_each():
+    cluster = _cluster([_node("a", count=2), _node("b", count=2)])
+    costs = CostModel(cluster, PRESETS["gpt-1.7b"], Precision("bf16"))
+    nvlink = 300e9 * 0.8
+    nic = 2 * 100e9 / 8 / 2 * 0.9  # two members, each with half the node's NIC
+    expected = 2 * (0.5 * 1e9 / nvlink + 3e-6) + 2 * (0.5 * 1e9 / nic + 2e-6)
+    assert costs.group_allreduce(["a", "a", "b", "b"], 1e9) == pytest.approx(expected)
+
+
+def test_cross_vendor_and_cross_group_routes():
+    cluster = _cluster(
+        [_node("nv", gbps=1600, group="x"), _node("amd", device="amd-gpu", gbps=1600, group="y")],
+        inter=[{"between": ["x", "y"], "kind": "ethernet", "gbps": 400}],
+    )
+    route = cluster.path("nv", "amd")
+    assert not route.rdma
+    assert route.bandwidth == pytest.approx(24e9 * 0.8)  # host staging between vendors binds
+    # four transfers share the 400 Gb/s link between the groups: now it binds
+    assert cluster.path("nv", "amd", concurrent_crossings=4).bandwidth == pytest.approx(400e9 / 8 * 0.6 / 4)
+    same_vendor = cluster.path("nv", "nv")
+    assert same_vendor.rdma and same_vendor.bandwidth == pytest.approx(300e9 * 0.8)
+
+
+# ----- memory ---------------------------------------------------------------------------
+
+
+def test_gpt_layer_parameters_and_activations():
+    m = PRESETS["gpt-3.6b"]
+    h, s, a = m.hidden_size, m.seq_length, m.num_attention_heads
+    assert m.layer_params() == 12 * h * h + 13 * h  # Megatron's count for a GPT layer
+    for t in (1, 2, 8):  # Korthikanti et al.: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes
+        assert m.layer_activation_bytes(1, t, 2, False) == pytest.approx(s * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        assert m.layer_activation_bytes(1, t, 2, True) == pytest.approx(s * h * (10 + 24 / t))
+    assert PRESETS["llama2-7b"].total_params() == pytest.approx(6.74e9, rel=0.01)
+    assert PRESETS["llama2-70b"].total_params() == pytest.approx(69.0e9, rel=0.01)
+
+
+def test_bytes_per_parameter_with_and_without_distributed_optimizer():
+    cluster = _cluster([_node("a")])
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
+    costs = CostModel(cluster, model, Precision("bf16"))
+    common = dict(vendor="nvidia", tensor_parallel=1, data_parallel=4, micro_batch_size=1, num_layers=4,
+                  stage=0, num_stages=1, num_micro_batches=1)
+    plain = rank_memory(costs, distributed_optimizer=False, **common)
+    sharded = rank_memory(costs, distributed_optimizer=True, **common)
+    params = plain.weights / 2
+    assert (plain.weights + plain.gradients + plain.optimizer) / params == pytest.approx(18)
+    assert (sharded.weights + sharded.gradients + sharded.optimizer) / params == pytest.approx(6 + 12 / 4)
+    assert plain.activations == pytest.approx(4 * model.layer_activation_bytes(1, 1, 2, True)
+                                              + model.logits_activation_bytes(1, 1, 2)
+                                              + costs.activation_message_bytes(1))
+    assert plain.overhead == 2.0 * GIB
+
+
+# ----- a whole plan -----------------------------------------------------------------------
+
+
+def test_one_device_iteration_is_micro_batches_times_work_plus_step():
+    cluster = _cluster([_node("a")])
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
+    costs = CostModel(cluster, model, Precision("bf16"))
+    device = DeviceEntry(host="a", device_type="A100-80GB", vendor="nvidia")
+    plan = Plan.uniform(tensor_parallel=1, pipeline_parallel=1, data_parallel=1, micro_batch_size=2,
+                        num_layers=4, global_batch_size=16, devices=[device])
+    prediction = predict(plan, cluster, costs, TrainingSetup(distributed_optimizer=False))
+    f, b = costs.layer_times("A100-80GB", 1, 2)
+    lf, lb = costs.logits_times("A100-80GB", 1, 2)
+    work = 8 * (4 * (f + b) + lf + lb)
+    assert prediction.iteration_time_s == pytest.approx(work + prediction.optimizer_s)
+    assert prediction.reduce_s == [0.0]
+    assert prediction.tokens_per_s == pytest.approx(16 * 512 / prediction.iteration_time_s)
+
+
+def test_measured_profiles_replace_the_roofline(tmp_path):
+    cluster = _cluster([_node("a")])
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
+    from hetero.profiles import model_shape
+    (tmp_path / "a100.json").write_text(json.dumps({
+        "kind": "compute", "device_type": "A100-80GB", "precision": "bf16", "model": model_shape(model),
+        "entries": [{"tensor_parallel": 1, "micro_batch_size": 1, "layer_forward_s": 0.01, "layer_backward_s": 0.03}],
+    }))
+    (tmp_path / "links.json").write_text(json.dumps({
+        "kind": "links", "links": [{"hosts": ["a", "a"], "bandwidth_gbs": 7.0, "latency_us": 4}]}))
+    profiles = Profiles.load_dir(tmp_path)
+    costs = CostModel(cluster, model, Precision("bf16"), profiles)
+    assert costs.layer_times("A100-80GB", 1, 1) == (0.01, 0.03)
+    assert costs.layer_times("A100-80GB", 1, 4) == pytest.approx((0.04, 0.12))  # scaled by micro-batch
+    assert costs.layer_times("A100-80GB", 2, 1) == pytest.approx((0.005, 0.015))  # and by TP
+    assert costs.route("a", "a").bandwidth == 7e9
+    assert profiles.missing(["A100-80GB", "H100-80GB"], model, "bf16") == ["H100-80GB"]
