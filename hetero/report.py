@@ -109,8 +109,9 @@ def timeline_png(plan: Plan, prediction: Prediction, path: str | Path, max_repli
         for op in ops:
             ax.broken_barh([(op.start, op.end - op.start)], (y - 0.4, 0.8), facecolors=colors[op.kind],
                            edgecolor="white", linewidth=0.3)
-        end = ops[-1].end
-        ax.broken_barh([(end, prediction.reduce_s[s])], (y - 0.4, 0.8), facecolors=colors["reduce"])
+        # The reduction completes only when the stage's last replica joins.
+        ax.broken_barh([(prediction.stage_end_s[s], prediction.reduce_s[s])], (y - 0.4, 0.8),
+                       facecolors=colors["reduce"])
         ax.broken_barh([(optimizer_start, prediction.optimizer_s)], (y - 0.4, 0.8), facecolors=colors["step"])
     labels = []
     for d, s in rows:
@@ -124,9 +125,9 @@ def timeline_png(plan: Plan, prediction: Prediction, path: str | Path, max_repli
     ax.set_title(f"Predicted iteration: {prediction.iteration_time_s:.3f} s "
                  f"(TP={plan.tensor_parallel} PP={pp} DP={plan.data_parallel})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["forward", "backward", "gradient reduction", "optimizer step"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 * 4 / max(4, len(rows))), ncol=4, fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles, ["forward", "backward", "gradient reduction", "optimizer step"],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / (0.45 * len(rows) + 1.6), 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
