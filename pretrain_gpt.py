@@ -14,9 +14,11 @@ Takes Megatron-LM's pretrain_gpt.py flags, plus --hetero-plan plan.json:
 multi-node plan.
 """
 
-import sys
-
-from megatron.hetero.pretrain import main
-
 if __name__ == "__main__":
+    # Imports stay under the guard: helper processes that multiprocessing spawns (the
+    # checkpoint writer's) re-import this file and need none of it.
+    import sys
+
+    from megatron.hetero.pretrain import main
+
     sys.exit(main(sys.argv[1:]))

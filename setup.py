@@ -22,6 +22,9 @@ setup(
         "PyYAML>=6.0",
         "numpy>=1.26",
         "matplotlib>=3.8",
+        # megatron-core's checkpoint writer needs it but does not declare it (its forked
+        # writer processes die without it and the save then waits forever).
+        "psutil>=5.9",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-timeout>=2.3"],

@@ -16,7 +16,7 @@ PLAN=$OUT/plan.json
 
 hetero-plan --cluster examples/clusters/cpu_demo.yaml --model examples/models/llama_tiny.yaml \
   --global-batch-size 16 --seq-length 128 --micro-batch-size 2 \
-  --precision fp32 --no-flash-attention --quiet -o "$PLAN" --timeline "$OUT/plan.png"
+  --precision fp32 --no-fused-kernels --no-dropout --quiet -o "$PLAN" --timeline "$OUT/plan.png"
 echo
 
 NPROC=$(python -c "from hetero.plan import Plan; print(Plan.load('$PLAN').world_size)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, Precision
+from hetero.costs import CostModel
 from hetero.errors import HeteroError
 from hetero.model import ModelSpec
 from hetero.plan import DeviceEntry, Plan
@@ -56,8 +56,7 @@ def _best_uniform(cluster: Cluster, model: ModelSpec, global_batch_size: int,
                   options: PlannerOptions, profiles: Profiles | None) -> tuple[Plan, Prediction] | None:
     """The fastest uniform plan; like a Megatron user, it leaves the last devices out when
     the degrees do not divide the device count or the batch."""
-    costs = CostModel(cluster, model, Precision(options.setup.precision), profiles,
-                      options.setup.flash_attention)
+    costs = CostModel(cluster, model, options.setup, profiles)
     devices = _launch_order_devices(cluster)
     best = None
     for tp in options.tensor_parallel:
@@ -76,7 +75,7 @@ def _best_uniform(cluster: Cluster, model: ModelSpec, global_batch_size: int,
                                     micro_batch_size=mbs, num_layers=model.num_layers,
                                     global_batch_size=global_batch_size,
                                     devices=devices[: tp * pp * dp])
-                prediction = predict(plan, cluster, costs, options.setup)
+                prediction = predict(plan, cluster, costs)
                 if prediction.fits and (best is None or prediction.iteration_time_s < best[1].iteration_time_s):
                     best = (plan, prediction)
     return best

@@ -18,12 +18,12 @@ from typing import Sequence
 
 from hetero.baseline import megatron_baseline, upper_bound
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, Precision
+from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.model import ModelSpec, load_model
 from hetero.plan import Plan
 from hetero.planner import Planner, PlannerOptions
-from hetero.predictor import Prediction, TrainingSetup, predict
+from hetero.predictor import Prediction, predict
 from hetero.profiles import Profiles
 from hetero.report import memory_table, summary, timeline_png
 
@@ -98,8 +98,11 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="with --profiles: estimate device types that have no profile")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--no-distributed-optimizer", action="store_true")
-    p.add_argument("--no-flash-attention", action="store_true",
-                   help="attention keeps its score matrix (megatron-core's local layers, CPU runs)")
+    p.add_argument("--no-fused-kernels", action="store_true",
+                   help="megatron-core's local layers (CPU runs): attention keeps its score "
+                        "matrix, SwiGLU its intermediate tensors")
+    p.add_argument("--no-dropout", action="store_true",
+                   help="the recipe sets hidden and attention dropout to 0 (no masks kept)")
     p.add_argument("--tensor-parallel", type=_int_list, default=(1, 2, 4, 8), help="degrees to try")
     p.add_argument("--micro-batch-size", type=_int_list, default=(1, 2, 4, 8), help="sizes to try")
     p.add_argument("--skip-baseline", action="store_true")
@@ -128,7 +131,7 @@ def _plan_command(argv: Sequence[str]) -> int:
             )
     setup = TrainingSetup(precision=args.precision,
                           distributed_optimizer=not args.no_distributed_optimizer,
-                          flash_attention=not args.no_flash_attention)
+                          fused_kernels=not args.no_fused_kernels, dropout=not args.no_dropout)
     options = PlannerOptions(tensor_parallel=args.tensor_parallel,
                              micro_batch_sizes=args.micro_batch_size, setup=setup)
     def progress(step: str) -> None:
@@ -154,13 +157,12 @@ def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:
     cluster = Cluster.from_dict(extra["cluster"], f"{source}: cluster")
     model = ModelSpec(**extra["model"])
     training = extra["training"]
-    setup = TrainingSetup(training["precision"], training["distributed_optimizer"],
-                          training["flash_attention"])
+    setup = TrainingSetup(**{k: training[k] for k in ("precision", "distributed_optimizer",
+                                                      "fused_kernels", "dropout")})
     profiles = None
     if extra.get("provenance", {}).get("profiles"):
         profiles = Profiles.load_dir(extra["provenance"]["profiles"])
-    costs = CostModel(cluster, model, Precision(setup.precision), profiles, setup.flash_attention)
-    return predict(plan, cluster, costs, setup), cluster
+    return predict(plan, cluster, CostModel(cluster, model, setup, profiles)), cluster
 
 
 def _explain_command(argv: Sequence[str]) -> int:

@@ -31,24 +31,36 @@ ADAM_BYTES_PER_PARAM = 32
 
 
 @dataclass(frozen=True)
-class Precision:
-    name: str = "bf16"
+class TrainingSetup:
+    """How the job runs, beyond the plan: what pretrain_gpt.py's flags and kernels will be."""
+
+    precision: str = "bf16"
+    distributed_optimizer: bool = True
+    fused_kernels: bool = True
+    """GPU kernels as transformer-engine provides them: flash attention (no score matrix
+    kept) and fused SwiGLU. Off for megatron-core's local layers (the CPU runtime)."""
+    dropout: bool = True
+    """Hidden/attention dropout > 0 (Megatron's default 0.1): masks are kept for backward."""
 
     @property
     def value_bytes(self) -> int:
-        return BYTES_PER_VALUE[self.name]
+        return BYTES_PER_VALUE[self.precision]
 
     @property
     def grad_bytes(self) -> int:
         return 4  # Megatron reduces bf16 gradients in fp32 (accumulate_allreduce_grads_in_fp32)
 
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "distributed_optimizer": self.distributed_optimizer,
+                "fused_kernels": self.fused_kernels, "dropout": self.dropout}
+
 
 class CostModel:
-    def __init__(self, cluster: Cluster, model: ModelSpec, precision: Precision,
-                 profiles: Profiles | None = None, flash_attention: bool = True):
-        self.cluster, self.model, self.precision = cluster, model, precision
+    def __init__(self, cluster: Cluster, model: ModelSpec, setup: TrainingSetup,
+                 profiles: Profiles | None = None):
+        self.cluster, self.model, self.setup = cluster, model, setup
+        self.precision = setup  # value_bytes, grad_bytes
         self.profiles = profiles or Profiles()
-        self.flash_attention = flash_attention
         self._layer_cache: dict[tuple, tuple[float, float]] = {}
         self._allreduce_cache: dict[tuple, tuple[float, float]] = {}
         self._route_cache: dict[tuple, Route] = {}
@@ -65,7 +77,7 @@ class CostModel:
         """(forward, backward) seconds of one decoder layer's compute for one micro-batch."""
         key = (device_name, tensor_parallel, micro_batch_size)
         if key not in self._layer_cache:
-            profile = self.profiles.compute_profile(device_name, self.model, self.precision.name)
+            profile = self.profiles.compute_profile(device_name, self.model, self.setup.precision)
             if profile is not None:
                 entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
                 times = (entry.layer_forward_s * scale, entry.layer_backward_s * scale)
@@ -82,7 +94,7 @@ class CostModel:
 
     def logits_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
         """(forward, backward) of the output layer and loss on the last stage."""
-        profile = self.profiles.compute_profile(device_name, self.model, self.precision.name)
+        profile = self.profiles.compute_profile(device_name, self.model, self.setup.precision)
         if profile is not None:
             entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
             if entry.logits_forward_s is not None and entry.logits_backward_s is not None:
@@ -97,7 +109,8 @@ class CostModel:
 
     def layer_activation_bytes(self, tensor_parallel: int, micro_batch_size: int) -> float:
         return self.model.layer_activation_bytes(
-            micro_batch_size, tensor_parallel, self.precision.value_bytes, self.flash_attention)
+            micro_batch_size, tensor_parallel, self.setup.value_bytes,
+            fused_kernels=self.setup.fused_kernels, dropout=self.setup.dropout)
 
     def activation_message_bytes(self, micro_batch_size: int) -> float:
         """What crosses a pipeline boundary per micro-batch (each TP rank sends it whole)."""

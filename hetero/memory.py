@@ -7,6 +7,10 @@ optimizer splits the optimizer part (master weight and moments) evenly across th
 data-parallel group (megatron-core shards evenly; it has no uneven split).
 
 Activations: the 1F1B schedule keeps min(P - s, m) micro-batches in flight on stage s.
+Backward adds a transient working set: the gradients of the layer being differentiated
+(about one layer's activations for one micro-batch) and, without fused gradient
+accumulation, each weight's .grad before it is added into the fp32 gradient buffer (the
+largest: one layer's weights, or the vocabulary table on the first and last stage).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from hetero.costs import CostModel
 
 GIB = 1024**3
 # CUDA/ROCm context, communicator buffers, library workspaces; a CPU process's interpreter,
-# torch and megatron-core.
-FRAMEWORK_OVERHEAD_GIB = {"cpu": 0.45}
+# torch, megatron-core and gloo (measured: 378 MB resident before any model memory).
+FRAMEWORK_OVERHEAD_GIB = {"cpu": 0.37}
 DEFAULT_OVERHEAD_GIB = 2.0
 # A plan must leave this fraction of a device free for allocator fragmentation and spikes.
 MIN_HEADROOM = 0.05
@@ -30,14 +34,17 @@ class MemoryEstimate:
     gradients: float
     optimizer: float
     activations: float
+    transient: float
     overhead: float
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.transient
+                + self.overhead)
 
     def to_gib(self) -> dict:
-        parts = {k: getattr(self, k) / GIB for k in ("weights", "gradients", "optimizer", "activations", "overhead")}
+        parts = {k: getattr(self, k) / GIB
+                 for k in ("weights", "gradients", "optimizer", "activations", "transient", "overhead")}
         return {**{k: round(v, 3) for k, v in parts.items()}, "total": round(self.total / GIB, 3)}
 
 
@@ -81,11 +88,17 @@ def rank_memory(
             micro_batch_size, tensor_parallel, precision.value_bytes)
     if first:
         per_micro_batch += costs.activation_message_bytes(micro_batch_size)
+    largest_weight = costs.model.layer_params()
+    if first or last:
+        largest_weight = max(largest_weight, costs.model.vocab_size * costs.model.hidden_size)
+    transient = (costs.layer_activation_bytes(tensor_parallel, micro_batch_size)
+                 + largest_weight / tensor_parallel * precision.value_bytes)
     return MemoryEstimate(
         weights=params * precision.value_bytes,
         gradients=params * precision.grad_bytes,
         optimizer=params * optimizer_bytes,
         activations=in_flight * per_micro_batch,
+        transient=transient,
         overhead=FRAMEWORK_OVERHEAD_GIB.get(vendor, DEFAULT_OVERHEAD_GIB) * GIB,
     )
 

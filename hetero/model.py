@@ -118,23 +118,32 @@ class ModelSpec:
     # ----- activations ------------------------------------------------------------------
 
     def layer_activation_bytes(
-        self, micro_batch_size: int, tensor_parallel: int, bytes_per_value: int, flash_attention: bool
+        self, micro_batch_size: int, tensor_parallel: int, bytes_per_value: int,
+        fused_kernels: bool = True, dropout: bool = True,
     ) -> float:
         """Activations one layer keeps for backward, per micro-batch (no recomputation,
         no sequence parallelism), after Korthikanti et al. 2022 ("Reducing Activation
         Recomputation in Large Transformer Models"), generalised to GQA and SwiGLU.
 
-        MHA, 4h MLP, bf16: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes, the paper's figure.
+        MHA, 4h MLP, bf16, dropout, unfused attention: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes,
+        the paper's figure. Fused kernels keep no attention score matrix (flash attention)
+        and SwiGLU's input only; without dropout no masks or dropout outputs are kept.
         """
         h, s, t, v = self.hidden_size, self.seq_length, tensor_parallel, bytes_per_value
         q = self.num_attention_heads * self.head_dim
         kv = self.query_groups * self.head_dim
-        gated = 2 if self.swiglu else 1
-        # Not split by TP: two norm inputs, QKV and fc1 inputs, two dropout masks (1 byte).
-        replicated = 4 * v * h + 2 * h
-        # Split by TP: Q, K, V, attention output, activation input(s), fc2 input.
-        split = v * (q + kv) + v * kv + v * q + v * gated * self.ffn + v * self.ffn
-        scores = 0.0 if flash_attention else (2 * v + 1) * self.num_attention_heads * s
+        masks = 2 * h if dropout else 0  # after attention and after the MLP, one byte each
+        # Not split by TP: two norm inputs, QKV and fc1 inputs, dropout masks.
+        replicated = 4 * v * h + masks
+        # Split by TP: Q, K, V, attention output, MLP activation input(s), fc2 input.
+        if self.swiglu and not fused_kernels:
+            mlp = v * 4 * self.ffn  # fc1 output (2F), SiLU output and up half (F each)
+        else:
+            mlp = v * (2 if self.swiglu else 1) * self.ffn
+        split = v * (q + kv) + v * kv + v * q + mlp + v * self.ffn
+        scores = 0.0
+        if not fused_kernels:  # softmax output, and with dropout its mask and output
+            scores = (2 * v + 1 if dropout else v) * self.num_attention_heads * s
         per_token = replicated + (split + scores) / t
         return s * micro_batch_size * per_token
 

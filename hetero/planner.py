@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, Precision
+from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.memory import DEFAULT_OVERHEAD_GIB, FRAMEWORK_OVERHEAD_GIB, GIB, capacity_bytes, stage_params
 from hetero.model import ModelSpec
@@ -47,7 +47,7 @@ from hetero.placement import (
     representative_hosts,
 )
 from hetero.plan import Plan
-from hetero.predictor import Prediction, TrainingSetup, predict
+from hetero.predictor import Prediction, predict
 from hetero.profiles import Profiles
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
@@ -170,8 +170,7 @@ class Planner:
         self.cluster, self.model, self.options = cluster, model, options
         self.global_batch_size = global_batch_size
         self.setup = options.setup
-        self.costs = CostModel(cluster, model, Precision(self.setup.precision), profiles,
-                               self.setup.flash_attention)
+        self.costs = CostModel(cluster, model, self.setup, profiles)
         self.classes = device_classes(cluster)
         self._class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
         self.estimated = 0
@@ -219,6 +218,10 @@ class Planner:
         if stage == stages - 1:
             fixed += m.output_params() / tp * per_param + in_flight * m.logits_activation_bytes(
                 mbs, tp, costs.precision.value_bytes)
+        largest_weight = m.layer_params()
+        if stage in (0, stages - 1):
+            largest_weight = max(largest_weight, m.vocab_size * m.hidden_size)
+        fixed += costs.layer_activation_bytes(tp, mbs) + largest_weight / tp * costs.setup.value_bytes
         per_layer = m.layer_params() / tp * per_param + in_flight * costs.layer_activation_bytes(tp, mbs)
         room = capacity_bytes(self.cluster.devices[cl.device_type].memory_gib) - fixed
         return max(0, int(room // per_layer))
@@ -471,7 +474,7 @@ class Planner:
         trials += [(c, o) for c in shortlist[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
         for candidate, order in trials:
             plan = self.materialize(candidate, order)
-            prediction = predict(plan, self.cluster, self.costs, self.setup)
+            prediction = predict(plan, self.cluster, self.costs)
             if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
                 best = (prediction.iteration_time_s, plan, prediction, candidate.family)
         if best is None:

@@ -24,20 +24,6 @@ from hetero.schedule import Op, StageTiming, simulate_1f1b
 
 
 @dataclass(frozen=True)
-class TrainingSetup:
-    """How the job runs, beyond the plan: what pretrain_gpt.py's flags will say."""
-
-    precision: str = "bf16"
-    distributed_optimizer: bool = True
-    flash_attention: bool = True
-    """Fused attention kernels (transformer-engine on GPUs) keep no s x s score matrix."""
-
-    def to_dict(self) -> dict:
-        return {"precision": self.precision, "distributed_optimizer": self.distributed_optimizer,
-                "flash_attention": self.flash_attention}
-
-
-@dataclass(frozen=True)
 class StageSlot:
     """One (replica, stage): its tensor-parallel group's devices."""
 
@@ -119,9 +105,9 @@ def _crossings(cluster: Cluster, pairs: list[tuple[str, str]]) -> int:
     return sum(cluster.node(a).group != cluster.node(b).group for a, b in pairs)
 
 
-def predict(plan: Plan, cluster: Cluster, costs: CostModel, setup: TrainingSetup) -> Prediction:
+def predict(plan: Plan, cluster: Cluster, costs: CostModel) -> Prediction:
     tp, pp, dp, mbs = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
-    model = costs.model
+    model, setup = costs.model, costs.setup
     grid = slots(plan, cluster)
     layers = [stage.num_layers for stage in plan.stages]
     message = costs.activation_message_bytes(mbs)

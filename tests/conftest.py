@@ -132,3 +132,88 @@ def gpt_reference() -> RunResult:
 @pytest.fixture(scope="session")
 def llama_reference() -> RunResult:
     return _reference(LLAMA_MODEL)
+
+
+class LiveJob:
+    """A pretrain_gpt.py job running in the background whose output can be watched."""
+
+    def __init__(self, args: list[str], nproc: int, env: dict | None = None):
+        import threading
+
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", str(REPO / "pretrain_gpt.py"), *args]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            full_env.pop(variable, None)
+        self.proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, fragment: str, timeout: float = 300) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while fragment not in self.output:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {fragment!r}:\n{self.output[-3000:]}")
+            time.sleep(0.02)
+
+    def worker_pid(self, launch_rank: int) -> int:
+        """The pid of the worker torchrun started as RANK=launch_rank."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            if parent == self.proc.pid and f"RANK={launch_rank}".encode() in environ:
+                return int(entry.name)
+        raise AssertionError(f"no worker with RANK={launch_rank}")
+
+    def _descendants(self) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            children.setdefault(parent, []).append(int(entry.name))
+        found, frontier = [], [self.proc.pid]
+        while frontier:
+            frontier = [child for pid in frontier for child in children.get(pid, [])]
+            found += frontier
+        return found
+
+    def kill_everything(self) -> None:
+        """SIGKILL to the launcher and every worker: torchrun starts each worker in a session
+        of its own, so killing the launcher's process group alone would leave them running."""
+        import signal
+
+        for pid in [self.proc.pid, *self._descendants()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill_everything()
+            self._reader.join(timeout=5)

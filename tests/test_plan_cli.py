@@ -38,7 +38,7 @@ def test_writes_a_plan_with_its_prediction_and_explains_it(tmp_path, capsys):
         assert key in prediction
     assert prediction["speedup_over_baseline"] >= 1.0
     assert data["training"] == {"global_batch_size": 256, "seq_length": 2048, "precision": "bf16",
-                                "distributed_optimizer": True, "flash_attention": True}
+                                "distributed_optimizer": True, "fused_kernels": True, "dropout": True}
     plan = Plan.load(out)
     assert plan.global_batch_size == 256 and plan.world_size <= 128
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -86,7 +86,7 @@ def test_the_plan_it_writes_trains_the_same_model(tmp_path, gpt_reference):
     out = tmp_path / "plan.json"
     assert main(["--cluster", CPU_CLUSTER, "--model", str(tmp_path / "model.yaml"),
                  "--global-batch-size", "16", "--seq-length", "32", "--micro-batch-size", "2",
-                 "--precision", "fp32", "--no-flash-attention", "-o", str(out), "--quiet"]) == 0
+                 "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "-o", str(out), "--quiet"]) == 0
     plan = Plan.load(out)
     env = {"HETERO_DEVICE": ",".join(d.device_type for d in plan.devices),
            "HETERO_VENDOR": ",".join(d.vendor for d in plan.devices)}

@@ -5,11 +5,11 @@ import json
 import pytest
 
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, Precision
+from hetero.costs import CostModel, TrainingSetup
 from hetero.memory import GIB, rank_memory
 from hetero.model import PRESETS, ModelSpec
 from hetero.plan import DeviceEntry, Plan
-from hetero.predictor import TrainingSetup, predict
+from hetero.predictor import predict
 from hetero.profiles import Profiles
 from hetero.schedule import StageTiming, makespan, op_order, simulate_1f1b
 
@@ -63,7 +63,7 @@ def test_uniform_pipeline_matches_closed_form_and_sends_block():
 
 def test_ring_allreduce_across_hosts_by_hand():
     cluster = _cluster([_node(h) for h in "abcd"])
-    costs = CostModel(cluster, PRESETS["gpt-1.7b"], Precision("bf16"))
+    costs = CostModel(cluster, PRESETS["gpt-1.7b"], TrainingSetup())
     share = 100e9 / 8 * 0.9  # one device per node gets the whole 100 Gb/s NIC at 90%
     expected = 2 * 3 / 4 * 1e9 / share + 2 * 3 * 2e-6
     assert costs.group_allreduce(list("abcd"), 1e9) == pytest.approx(expected)
@@ -72,7 +72,7 @@ def test_ring_allreduce_across_hosts_by_hand():
 
 def test_hierarchical_allreduce_two_hosts_two_members_each():
     cluster = _cluster([_node("a", count=2), _node("b", count=2)])
-    costs = CostModel(cluster, PRESETS["gpt-1.7b"], Precision("bf16"))
+    costs = CostModel(cluster, PRESETS["gpt-1.7b"], TrainingSetup())
     nvlink = 300e9 * 0.8
     nic = 2 * 100e9 / 8 / 2 * 0.9  # two members, each with half the node's NIC
     expected = 2 * (0.5 * 1e9 / nvlink + 3e-6) + 2 * (0.5 * 1e9 / nic + 2e-6)
@@ -101,8 +101,9 @@ def test_gpt_layer_parameters_and_activations():
     h, s, a = m.hidden_size, m.seq_length, m.num_attention_heads
     assert m.layer_params() == 12 * h * h + 13 * h  # Megatron's count for a GPT layer
     for t in (1, 2, 8):  # Korthikanti et al.: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes
-        assert m.layer_activation_bytes(1, t, 2, False) == pytest.approx(s * h * (10 + 24 / t + 5 * a * s / (h * t)))
-        assert m.layer_activation_bytes(1, t, 2, True) == pytest.approx(s * h * (10 + 24 / t))
+        assert m.layer_activation_bytes(1, t, 2, fused_kernels=False) == pytest.approx(
+            s * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        assert m.layer_activation_bytes(1, t, 2, fused_kernels=True) == pytest.approx(s * h * (10 + 24 / t))
     assert PRESETS["llama2-7b"].total_params() == pytest.approx(6.74e9, rel=0.01)
     assert PRESETS["llama2-70b"].total_params() == pytest.approx(69.0e9, rel=0.01)
 
@@ -110,7 +111,7 @@ def test_gpt_layer_parameters_and_activations():
 def test_bytes_per_parameter_with_and_without_distributed_optimizer():
     cluster = _cluster([_node("a")])
     model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
-    costs = CostModel(cluster, model, Precision("bf16"))
+    costs = CostModel(cluster, model, TrainingSetup())
     common = dict(vendor="nvidia", tensor_parallel=1, data_parallel=4, micro_batch_size=1, num_layers=4,
                   stage=0, num_stages=1, num_micro_batches=1)
     plain = rank_memory(costs, distributed_optimizer=False, **common)
@@ -118,7 +119,7 @@ def test_bytes_per_parameter_with_and_without_distributed_optimizer():
     params = plain.weights / 2
     assert (plain.weights + plain.gradients + plain.optimizer) / params == pytest.approx(18)
     assert (sharded.weights + sharded.gradients + sharded.optimizer) / params == pytest.approx(6 + 12 / 4)
-    assert plain.activations == pytest.approx(4 * model.layer_activation_bytes(1, 1, 2, True)
+    assert plain.activations == pytest.approx(4 * model.layer_activation_bytes(1, 1, 2)
                                               + model.logits_activation_bytes(1, 1, 2)
                                               + costs.activation_message_bytes(1))
     assert plain.overhead == 2.0 * GIB
@@ -130,11 +131,12 @@ def test_bytes_per_parameter_with_and_without_distributed_optimizer():
 def test_one_device_iteration_is_micro_batches_times_work_plus_step():
     cluster = _cluster([_node("a")])
     model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
-    costs = CostModel(cluster, model, Precision("bf16"))
+    costs = CostModel(cluster, model, TrainingSetup())
     device = DeviceEntry(host="a", device_type="A100-80GB", vendor="nvidia")
     plan = Plan.uniform(tensor_parallel=1, pipeline_parallel=1, data_parallel=1, micro_batch_size=2,
                         num_layers=4, global_batch_size=16, devices=[device])
-    prediction = predict(plan, cluster, costs, TrainingSetup(distributed_optimizer=False))
+    costs = CostModel(cluster, model, TrainingSetup(distributed_optimizer=False))
+    prediction = predict(plan, cluster, costs)
     f, b = costs.layer_times("A100-80GB", 1, 2)
     lf, lb = costs.logits_times("A100-80GB", 1, 2)
     work = 8 * (4 * (f + b) + lf + lb)
@@ -154,7 +156,7 @@ def test_measured_profiles_replace_the_roofline(tmp_path):
     (tmp_path / "links.json").write_text(json.dumps({
         "kind": "links", "links": [{"hosts": ["a", "a"], "bandwidth_gbs": 7.0, "latency_us": 4}]}))
     profiles = Profiles.load_dir(tmp_path)
-    costs = CostModel(cluster, model, Precision("bf16"), profiles)
+    costs = CostModel(cluster, model, TrainingSetup(), profiles)
     assert costs.layer_times("A100-80GB", 1, 1) == (0.01, 0.03)
     assert costs.layer_times("A100-80GB", 1, 4) == pytest.approx((0.04, 0.12))  # scaled by micro-batch
     assert costs.layer_times("A100-80GB", 2, 1) == pytest.approx((0.005, 0.015))  # and by TP

@@ -141,6 +141,20 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
 
 
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None, help="directory to load the latest checkpoint from")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="exit (after saving, with --save) when iteration %% N == 0")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only and start at iteration 0")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+
+
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None)
@@ -167,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add in (_add_model_args, _add_training_args, _add_data_args, _add_logging_args,
-                _add_distributed_args, _add_hetero_args):
+                _add_checkpoint_args, _add_distributed_args, _add_hetero_args):
         add(parser)
     return parser
 
@@ -310,9 +324,12 @@ def validate_args(args: argparse.Namespace) -> None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
-    for name in ("log_interval", "eval_interval"):
-        if getattr(args, name) < 1:
+    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             raise HeteroError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.save_interval is not None and args.save is None:
+        raise HeteroError("--save-interval needs --save DIR (where to write the checkpoints)")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
 
 

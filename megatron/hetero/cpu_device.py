@@ -107,3 +107,26 @@ def enable_cpu_device() -> list[str]:
     _active_mode = CudaAsCpuMode()
     _active_mode.__enter__()
     return [f"{owner.__name__}.{name}" for owner, name in replaced]
+
+
+def return_freed_memory_to_os(threshold_bytes: int = 128 * 1024) -> bool:
+    """Makes glibc map every allocation above threshold_bytes on its own, as it does at
+    start-up, so that freeing a tensor gives its memory back to the system.
+
+    glibc otherwise raises its threshold after the first large free, then serves tensors
+    from a heap it never shrinks: a CPU process's resident memory would keep its peak
+    forever, hiding what the job actually uses (and what the predictor estimates).
+    Returns False where this is not glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3
+    return bool(mallopt(m_mmap_threshold, threshold_bytes))

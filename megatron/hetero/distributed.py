@@ -178,6 +178,12 @@ def _rendezvous(timeout: timedelta) -> dist.Store:
     return _store
 
 
+def job_store() -> dist.Store:
+    """The rendezvous store of this job (after initialize)."""
+    assert _store is not None, "initialize() first"
+    return _store
+
+
 def wait_for_peers_to_fail(launch: Launch, timeout: timedelta = timedelta(seconds=60)) -> None:
     """Holds a rank that stops on bad input until every rank has stopped too.
 

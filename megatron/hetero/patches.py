@@ -44,6 +44,82 @@ def _apply_cpu_device() -> object:
     return enable_cpu_device()
 
 
+def _torch_adam_fallback() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _apply_distributed_optimizer_load() -> object:
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        if is_loading and not self.optimizer.state:
+            # torch's Adam creates per-parameter state at its first step; give it some
+            # (the way megatron-core does for its FSDP path), to be overwritten by the load.
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, model_sharded_state_dict or {}, is_loading=is_loading, **kwargs)
+
+    copy_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        # A re-shardable checkpoint keeps torch Adam's "step" in the param groups (restored by
+        # load_state_dict); copying per-parameter states must leave the live "step" alone.
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        live = self.optimizer.state[main_param]
+        if "step" in live and "step" not in tensors:
+            tensors = {**tensors, "step": live["step"]}
+        return copy_states(self, model_param, tensors)
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        # It hands every parameter the same "step" tensor, which torch's Adam then increments
+        # in place once per parameter: one tensor per parameter, as Adam keeps it.
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
+    return sharded_state_dict
+
+
+def _apply_reshardable_offsets() -> object:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    def unpadded_index_map(buffer) -> dict:
+        """param -> (start, end, bucket) in the gathered state's coordinates, which leave out
+        the padding between buckets."""
+        removed, shift = 0, []
+        for bucket in buffer.buckets:
+            shift.append(bucket.offset - removed)
+            removed += bucket.numel_unpadded
+        return {param: (start - shift[b], end - shift[b], b)
+                for param, (start, end, b) in buffer.param_index_map.items()}
+
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        padded = [buffer.param_index_map for buffer in self.buffers]
+        try:
+            for buffer in self.buffers:
+                buffer.param_index_map = unpadded_index_map(buffer)
+            return original(self, *args, **kwargs)
+        finally:
+            for buffer, index_map in zip(self.buffers, padded):
+                buffer.param_index_map = index_map
+
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+    return sharded_param_state_fully_reshardable
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -53,6 +129,31 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_cpu_device,
+    ),
+    Patch(
+        name="distributed-optimizer-load-without-apex",
+        why=(
+            "without apex/transformer-engine the distributed optimizer wraps torch's Adam, and "
+            "loading a re-shardable checkpoint goes wrong three ways: Adam has no per-parameter "
+            "state before its first step (filled first, as megatron-core does for FSDP); the "
+            "per-parameter copy expects a 'step' the format keeps in the param groups; and the "
+            "restored 'step' is one tensor shared by all parameters, which Adam increments once "
+            "per parameter (each gets its own)"
+        ),
+        needed=_torch_adam_fallback,
+        apply=_apply_distributed_optimizer_load,
+    ),
+    Patch(
+        name="distributed-optimizer-reshardable-offsets",
+        why=(
+            "the distributed optimizer's re-shardable checkpoint gathers each buffer's state "
+            "without the padding between buckets, then slices it with offsets that include "
+            "it: every parameter past the first bucket (any model above the 40M-parameter "
+            "bucket size, or a tied embedding split across stages) is saved and restored from "
+            "the wrong place; the slicing is given the gathered layout's offsets"
+        ),
+        needed=lambda: True,
+        apply=_apply_reshardable_offsets,
     ),
 )
 

@@ -74,6 +74,12 @@ def main(argv: Sequence[str]) -> int:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     launch = read_launch()
     _quiet_expected_warnings(launch.rank)
+    import torch
+
+    if not torch.cuda.is_available():
+        from megatron.hetero.cpu_device import return_freed_memory_to_os
+
+        return_freed_memory_to_os()
     try:
         args, plan, plan_source = configure(argv, launch)
         from megatron.hetero.training import run

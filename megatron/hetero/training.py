@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.hetero import data, distributed
 from megatron.hetero.arguments import padded_vocab_size, used_kernel_tuning_flags
+from megatron.hetero.checkpointing import iteration_dir, latest_iteration, load_checkpoint, save_checkpoint
 from megatron.hetero.distributed import Launch, RankContext
 from megatron.hetero.log import (
     arguments_block,
@@ -44,6 +45,7 @@ from megatron.hetero.log import (
 )
 from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
 from megatron.hetero.patches import apply_patches
+from megatron.hetero.watchdog import Watchdog
 
 
 def set_random_seed(seed: int) -> None:
@@ -249,16 +251,20 @@ class Trainer:
             )
         )
 
-    def train(self, train_iterator, valid_iterator, evaluate: bool) -> int:
+    def train(self, start_iteration: int, train_iterator, valid_iterator, evaluate: bool) -> tuple[int, bool]:
+        """Runs from start_iteration to --train-iters (or --exit-interval); returns the
+        last iteration and whether a checkpoint of it was just saved."""
         args = self.args
         stats = _IntervalStats()
         reported_memory = False
+        saved = False
         print_rank_0("training ...")
-        iteration = 0
+        iteration = start_iteration
         while iteration < args.train_iters:
             start = time.perf_counter()
             losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator)
             iteration += 1
+            saved = False
             stats.elapsed += time.perf_counter() - start
             stats.iterations += 1
             stats.skipped += int(skipped)
@@ -278,7 +284,20 @@ class Trainer:
                 block = evaluation_block(f"iteration {iteration} on validation set",
                                          self.evaluate(valid_iterator))
                 print_rank_last(block)
-        return iteration
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                self.save(iteration)
+                saved = True
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                if args.save and not saved:
+                    self.save(iteration)
+                    saved = True
+                print_rank_0(f"exiting program at iteration {iteration}")
+                break
+        return iteration, saved
+
+    def save(self, iteration: int) -> None:
+        save_checkpoint(self.args.save, iteration, self.model, self.optimizer, self.scheduler,
+                        self.args, self.plan)
 
 
 # ----- the run ----------------------------------------------------------------------------
@@ -315,6 +334,28 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         timedelta(minutes=args.distributed_timeout_minutes),
         check_devices=plan_source is not None,
     )
+    watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args)).start()
+    try:
+        _train(args, plan, plan_source, ctx, patches)
+    except RuntimeError as err:  # gloo/NCCL errors; a lost peer ends the process in handle()
+        if launch.world_size > 1:
+            watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        raise  # no process was lost: keep the real error and its traceback
+    watchdog.finish()
+    torch.distributed.destroy_process_group()
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    root = args.save or args.load
+    latest = latest_iteration(root) if root else None
+    if latest is None:
+        return " No checkpoint was written (use --save DIR --save-interval N)."
+    return (f" The last complete checkpoint is {iteration_dir(root, latest)}; resume with "
+            f"--load {root} (re-plan with hetero-plan first if the cluster changed).")
+
+
+def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: RankContext,
+           patches: list[str]) -> None:
     _print_setup(args, plan, plan_source, patches)
     set_random_seed(args.seed)
 
@@ -352,16 +393,27 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     train_ds, valid_ds, test_ds = data.build_datasets(args, tokenizer)
 
     trainer = Trainer(args, plan, ctx, model, optimizer, scheduler)
+    start_iteration = 0
+    if args.load:
+        start_iteration, _ = load_checkpoint(args.load, model, optimizer, scheduler, args)
     do_valid = args.eval_iters > 0 and valid_ds is not None
-    valid_iterator = data.micro_batch_iterator(valid_ds, plan, args.num_workers)
-    iteration = trainer.train(
-        data.micro_batch_iterator(train_ds, plan, args.num_workers), valid_iterator, do_valid
+    # The data position follows from the iteration: iteration i reads samples [i*G, (i+1)*G).
+    valid_iterator = data.micro_batch_iterator(
+        valid_ds, plan, args.num_workers, start_iteration=(start_iteration // args.eval_interval) * args.eval_iters)
+    iteration, saved = trainer.train(
+        start_iteration,
+        data.micro_batch_iterator(train_ds, plan, args.num_workers, start_iteration=start_iteration),
+        valid_iterator,
+        do_valid,
     )
     print_rank_0(f"[after training is done] iterations: {iteration}")
-    if do_valid and iteration % args.eval_interval:
-        losses = trainer.evaluate(valid_iterator)
-        print_rank_last(evaluation_block(f"iteration {iteration} on validation set", losses))
-    if args.eval_iters > 0 and test_ds is not None:
-        losses = trainer.evaluate(data.micro_batch_iterator(test_ds, plan, args.num_workers))
-        print_rank_last(evaluation_block(f"iteration {iteration} on test set", losses))
-    torch.distributed.destroy_process_group()
+    if args.save and not saved and iteration > start_iteration:
+        trainer.save(iteration)
+    exited_early = args.exit_interval is not None and iteration < args.train_iters
+    if not exited_early:
+        if do_valid and iteration % args.eval_interval:
+            losses = trainer.evaluate(valid_iterator)
+            print_rank_last(evaluation_block(f"iteration {iteration} on validation set", losses))
+        if args.eval_iters > 0 and test_ds is not None:
+            losses = trainer.evaluate(data.micro_batch_iterator(test_ds, plan, args.num_workers))
+            print_rank_last(evaluation_block(f"iteration {iteration} on test set", losses))
