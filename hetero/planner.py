@@ -102,11 +102,14 @@ class PlanResult:
 
 
 def device_classes(cluster: Cluster) -> list[DeviceClass]:
-    classes: dict[tuple[str, str, int], list[str]] = {}
+    """Nodes that are interchangeable: same device, fabric, devices per node and NIC (nodes
+    of one rack with and without InfiniBand are different classes)."""
+    classes: dict[tuple, list[str]] = {}
     for node in cluster.nodes:
-        classes.setdefault((node.device.name, node.group, node.count), []).append(node.host)
+        key = (node.device.name, node.group, node.count, node.nic.kind.name, node.nic.gbps)
+        classes.setdefault(key, []).append(node.host)
     return [DeviceClass(t, g, cluster.devices[t].vendor, tuple(hosts), count)
-            for (t, g, count), hosts in classes.items()]
+            for (t, g, count, _, _), hosts in classes.items()]
 
 
 def split_layers(num_layers: int, per_layer: list[float], extra: list[float],

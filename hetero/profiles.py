@@ -14,7 +14,11 @@ compute - one device type, one model shape, timings per (tensor parallel, micro-
 
 links - measured point-to-point routes between hosts (a host with itself: inside a node):
 
-    {"kind": "links", "links": [{"hosts": ["a0", "b0"], "bandwidth_gbs": 11.2, "latency_us": 14}]}
+    {"kind": "links", "links": [{"hosts": ["a0", "b0"], "bandwidth_gbs": 11.2, "latency_us": 14}],
+     "collectives": [{"op": "allreduce", "hosts": ["a0", "a0", "b0"], "bytes": 6.7e7, "seconds": 0.31}]}
+
+A link's bandwidth is what ONE device pair gets while every device of the two hosts
+transfers at once (the NIC shared), as cluster.py's routes mean it.
 """
 
 from __future__ import annotations
@@ -72,9 +76,19 @@ class LinkEntry(_Strict):
     latency_us: float = Field(ge=0)
 
 
+class CollectiveEntry(_Strict):
+    """A measured collective over ranks on `hosts` (one entry per member), for reports."""
+
+    op: str
+    hosts: list[str]
+    bytes: float = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
 class LinkProfile(_Strict):
     kind: Literal["links"]
     links: list[LinkEntry]
+    collectives: list[CollectiveEntry] = []
     measured_on: str | None = None
 
 

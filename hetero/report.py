@@ -84,54 +84,99 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
     return "\n".join(lines)
 
 
-def timeline_png(plan: Plan, prediction: Prediction, path: str | Path, max_replicas: int = 4) -> Path:
-    """Gantt chart of one predicted iteration: forward, backward, gradient reduction, step."""
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "reduce": "#8C8C8C", "step": "#55A868"}
+LEGEND = ["forward", "backward", "gradient reduction", "optimizer step"]
+Span = tuple[str, float, float]  # kind, start s, end s
+
+
+def _shown_replicas(plan: Plan, prediction: Prediction, max_replicas: int) -> list[int]:
+    shown, seen = [], set()
+    for d, ops in prediction.timelines.items():  # one row set per distinct replica
+        if id(ops) not in seen:
+            seen.add(id(ops))
+            shown.append(d)
+        if len(shown) == max_replicas:
+            break
+    return shown
+
+
+def _predicted_spans(prediction: Prediction, d: int, s: int) -> list[Span]:
+    spans = [(op.kind, op.start, op.end) for op in prediction.timelines[d][s]]
+    # The reduction completes only when the stage's last replica joins.
+    spans.append(("reduce", prediction.stage_end_s[s], prediction.stage_end_s[s] + prediction.reduce_s[s]))
+    step_start = prediction.iteration_time_s - prediction.optimizer_s
+    spans.append(("step", step_start, prediction.iteration_time_s))
+    return spans
+
+
+def _row_label(plan: Plan, d: int, s: int) -> str:
+    stage_device = plan.device_of_logical(plan.tensor_parallel * (d + plan.data_parallel * s)).device_type
+    return (f"replica {d} stage {s} ({stage_device}, {plan.stages[s].num_layers} layers, "
+            f"{plan.replicas[d].num_micro_batches} mb)")
+
+
+def _draw(ax, rows: list[list[Span]], labels: list[str], title: str) -> None:
+    for y, spans in enumerate(rows):
+        for kind, start, end in spans:
+            ax.broken_barh([(start, end - start)], (y - 0.4, 0.8), facecolors=COLORS[kind],
+                           edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=10)
+
+
+def _save(fig, path: str | Path, height: float) -> Path:
+    import matplotlib.pyplot as plt
+
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    fig.legend(handles, LEGEND, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown, seen = [], set()
-    for d, ops in prediction.timelines.items():  # one row set per distinct replica
-        key = id(ops)
-        if key not in seen:
-            seen.add(key)
-            shown.append(d)
-        if len(shown) == max_replicas:
-            break
-    pp = plan.pipeline_parallel
-    rows = [(d, s) for d in shown for s in range(pp)]
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.6))
-    colors = {"F": "#4C72B0", "B": "#DD8452", "reduce": "#8C8C8C", "step": "#55A868"}
-    optimizer_start = prediction.iteration_time_s - prediction.optimizer_s
-    for y, (d, s) in enumerate(rows):
-        ops = prediction.timelines[d][s]
-        for op in ops:
-            ax.broken_barh([(op.start, op.end - op.start)], (y - 0.4, 0.8), facecolors=colors[op.kind],
-                           edgecolor="white", linewidth=0.3)
-        # The reduction completes only when the stage's last replica joins.
-        ax.broken_barh([(prediction.stage_end_s[s], prediction.reduce_s[s])], (y - 0.4, 0.8),
-                       facecolors=colors["reduce"])
-        ax.broken_barh([(optimizer_start, prediction.optimizer_s)], (y - 0.4, 0.8), facecolors=colors["step"])
-    labels = []
-    for d, s in rows:
-        devices = plan.replicas[d].model_extra.get("device_types")
-        stage_device = plan.device_of_logical(plan.tensor_parallel * (d + plan.data_parallel * s)).device_type
-        labels.append(f"replica {d} stage {s} ({stage_device}, {plan.stages[s].num_layers} layers, "
-                      f"{plan.replicas[d].num_micro_batches} mb)" if devices is not None else f"r{d} s{s}")
-    ax.set_yticks(range(len(rows)), labels, fontsize=8)
-    ax.invert_yaxis()
+    return plt
+
+
+def timeline_png(plan: Plan, prediction: Prediction, path: str | Path, max_replicas: int = 4) -> Path:
+    """Gantt chart of one predicted iteration: forward, backward, gradient reduction, step."""
+    plt = _pyplot()
+    rows = [(d, s) for d in _shown_replicas(plan, prediction, max_replicas) for s in range(plan.pipeline_parallel)]
+    height = 0.45 * len(rows) + 1.6
+    fig, ax = plt.subplots(figsize=(12, height))
+    _draw(ax, [_predicted_spans(prediction, d, s) for d, s in rows], [_row_label(plan, d, s) for d, s in rows],
+          f"Predicted iteration: {prediction.iteration_time_s:.3f} s "
+          f"(TP={plan.tensor_parallel} PP={plan.pipeline_parallel} DP={plan.data_parallel})")
     ax.set_xlabel("seconds")
-    ax.set_title(f"Predicted iteration: {prediction.iteration_time_s:.3f} s "
-                 f"(TP={plan.tensor_parallel} PP={pp} DP={plan.data_parallel})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["forward", "backward", "gradient reduction", "optimizer step"],
-               loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.35 / (0.45 * len(rows) + 1.6), 1, 1))
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, height)
+
+
+def measured_timeline_png(plan: Plan, prediction: Prediction, traces: list[dict], path: str | Path,
+                          max_replicas: int = 4) -> Path:
+    """A measured iteration (megatron.hetero.tracing) above its prediction, same rows and axis."""
+    plt = _pyplot()
+    traced = {(t["dp_rank"], t["pp_rank"]): t for t in traces if t["tp_rank"] == 0}
+    rows = [(d, s) for d in range(plan.data_parallel) for s in range(plan.pipeline_parallel)
+            if (d, s) in traced][: max_replicas * plan.pipeline_parallel]
+    measured = [[(kind, start, end) for kind, _, start, end in traced[row]["spans"]] for row in rows]
+    measured_end = max((end for spans in measured for _, _, end in spans), default=0.0)
+    height = 2 * (0.45 * len(rows) + 0.8) + 0.8
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, height), sharex=True)
+    labels = [_row_label(plan, d, s) for d, s in rows]
+    _draw(top, measured, labels, f"Measured iteration: {measured_end:.3f} s (emulated cluster)")
+    _draw(bottom, [_predicted_spans(prediction, d, s) for d, s in rows], labels,
+          f"Predicted: {prediction.iteration_time_s:.3f} s (TP={plan.tensor_parallel} "
+          f"PP={plan.pipeline_parallel} DP={plan.data_parallel})")
+    bottom.set_xlabel("seconds")
+    return _save(fig, path, height)
 
 
 def memory_table(prediction: Prediction) -> str:

@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.hetero.tracing import TRACE
 from megatron.hetero.weights import initialize_plan_independent
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -119,18 +120,7 @@ def build_model(
     args: argparse.Namespace, plan: Plan, config: TransformerConfig
 ) -> DistributedDataParallel:
     """This rank's stage, initialised independently of the plan, wrapped for DP."""
-    stage = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(args),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-    )
+    stage = gpt_stage(args, config)
     initialize_plan_independent(stage, config, args.seed)
     if torch.cuda.is_available():
         stage.cuda(torch.cuda.current_device())
@@ -142,8 +132,31 @@ def build_model(
         overlap_grad_reduce=False,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=stage)
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _traced_finalize_model_grads
     return model
+
+
+def _traced_finalize_model_grads(*args, **kwargs):
+    """megatron-core's gradient reduction across replicas (and tied embeddings), timed
+    when an iteration is traced."""
+    with TRACE.span("reduce"):
+        return finalize_model_grads(*args, **kwargs)
+
+
+def gpt_stage(args: argparse.Namespace, config: TransformerConfig) -> GPTModel:
+    """The GPT layers of this pipeline stage (first/last stage add embedding/output)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

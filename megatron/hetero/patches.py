@@ -120,6 +120,12 @@ def _apply_reshardable_offsets() -> object:
     return sharded_param_state_fully_reshardable
 
 
+def _apply_schedule_trace() -> object:
+    from megatron.hetero.tracing import wrap_schedule_functions
+
+    return wrap_schedule_functions()
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -154,6 +160,15 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_reshardable_offsets,
+    ),
+    Patch(
+        name="schedule-trace",
+        why=(
+            "only with HETERO_TRACE_DIR set: times each forward and backward micro-batch step "
+            "of the pipeline schedule for the measured iteration timeline (tracing.py)"
+        ),
+        needed=lambda: bool(os.environ.get("HETERO_TRACE_DIR")),
+        apply=_apply_schedule_trace,
     ),
 )
 

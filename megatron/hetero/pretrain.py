@@ -8,9 +8,12 @@ within seconds and identically on every rank.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import warnings
 from typing import Sequence
+
+import torch
 
 from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
@@ -46,7 +49,7 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
     return plan, None
 
 
-def _quiet_expected_warnings(launch_rank: int) -> None:
+def quiet_expected_warnings(launch_rank: int) -> None:
     # Missing apex / transformer-engine is the normal state on CPU machines.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
     # megatron-core 0.16.1 calls torch APIs that torch 2.13 deprecates, and touches .grad of
@@ -54,6 +57,10 @@ def _quiet_expected_warnings(launch_rank: int) -> None:
     warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
     warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
     warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*")
+    if not torch.cuda.is_available():
+        # On the CPU the tensor-parallel "cuda" RNG is the CPU generator, so every dropout
+        # inside its fork trips megatron-core's check that the CPU state did not change.
+        logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     if launch_rank != 0:  # as Megatron-LM: rank 0 speaks for everyone
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -73,7 +80,7 @@ def main(argv: Sequence[str]) -> int:
     # Megatron's recipes set this: tensor-parallel collectives must keep their launch order.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     launch = read_launch()
-    _quiet_expected_warnings(launch.rank)
+    quiet_expected_warnings(launch.rank)
     import torch
 
     if not torch.cuda.is_available():

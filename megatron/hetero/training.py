@@ -45,6 +45,7 @@ from megatron.hetero.log import (
 )
 from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
 from megatron.hetero.patches import apply_patches
+from megatron.hetero.tracing import TRACE
 from megatron.hetero.watchdog import Watchdog
 
 
@@ -202,7 +203,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
-        update_successful, grad_norm, num_zeros = self.optimizer.step()
+        with TRACE.span("step"):
+            update_successful, grad_norm, num_zeros = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.plan.global_batch_size)
         return losses, grad_norm, not update_successful, num_zeros
@@ -261,9 +263,15 @@ class Trainer:
         print_rank_0("training ...")
         iteration = start_iteration
         while iteration < args.train_iters:
+            tracing = TRACE.enabled and iteration + 1 == TRACE.iteration
+            if tracing:
+                torch.distributed.barrier()
+                TRACE.begin()
             start = time.perf_counter()
             losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator)
             iteration += 1
+            if tracing:
+                TRACE.end(self.ctx.logical_rank, self._trace_facts())
             saved = False
             stats.elapsed += time.perf_counter() - start
             stats.iterations += 1
@@ -294,6 +302,13 @@ class Trainer:
                 print_rank_0(f"exiting program at iteration {iteration}")
                 break
         return iteration, saved
+
+    def _trace_facts(self) -> dict:
+        device = self.plan.devices[self.ctx.launch.rank]
+        return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "dp_rank": parallel_state.get_data_parallel_rank(),
+                "host": device.host, "device_type": device.device_type}
 
     def save(self, iteration: int) -> None:
         save_checkpoint(self.args.save, iteration, self.model, self.optimizer, self.scheduler,

@@ -1,0 +1,287 @@
+"""The planner's claims measured on an emulated cluster (tools/emulator), as real runs.
+
+    sudo python bench/emulated_bench.py            # ~15 min on 2 cores; needs root
+    python bench/emulated_bench.py --out DIR       # results.json, report.md, timeline.png
+
+1. Predictor accuracy: on two emulated clusters - compute heterogeneity (3 fast + 1 half-
+   speed device) and mixed NICs (2 InfiniBand + 2 Ethernet nodes) - profile compute and
+   links ON the emulated cluster, then run several plans and compare the measured
+   iteration time and peak memory with the prediction. Target: mean error <= 10%.
+2. Plan quality: on the compute cluster, the planner's plan vs the Megatron baseline,
+   run one after the other (target >= 1.3x), and vs the measured upper bound: each
+   device type trained alone on its share of the batch, throughputs summed (>= 90%).
+3. NIC awareness: on the NIC cluster, the planner's rank order vs the same plan in
+   launch order.
+4. timeline.png: a measured iteration of the planner's plan above its prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hetero.baseline import megatron_baseline  # noqa: E402
+from hetero.cluster import Cluster  # noqa: E402
+from hetero.costs import CostModel, TrainingSetup  # noqa: E402
+from hetero.plan import Plan  # noqa: E402
+from hetero.planner import Planner, PlannerOptions, _distinct  # noqa: E402
+from hetero.predictor import Prediction, predict  # noqa: E402
+from hetero.profiles import Profiles  # noqa: E402
+from hetero.report import measured_timeline_png  # noqa: E402
+from tools.emulator import EmulatedCluster, RankLayout  # noqa: E402
+
+CLUSTERS = REPO / "examples" / "clusters"
+MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+               "--seq-length", "256", "--max-position-embeddings", "256", "--vocab-size", "2047",
+               "--attention-dropout", "0", "--hidden-dropout", "0"]
+DATA_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0"]
+SETUP = TrainingSetup("fp32", distributed_optimizer=False, fused_kernels=False, dropout=False)
+OPTIONS = PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1, 2, 4), setup=SETUP)
+WARMUP_ITERATIONS = 2
+
+
+def model_spec():
+    from megatron.hetero import data
+    from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
+    from megatron.hetero.model import model_spec as spec_of
+
+    args = parse_args(MODEL_FLAGS + DATA_FLAGS + ["--micro-batch-size", "1", "--global-batch-size", "1",
+                                                  "--train-iters", "1", "--lr", "1"])
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    validate_args(args)
+    args.padded_vocab_size = padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
+    return spec_of(args)
+
+
+class Bench:
+    def __init__(self, out: Path, iterations: int):
+        self.out, self.iterations = out, iterations
+        self.spec = model_spec()
+        self.results: dict = {"predictor": [], "quality": {}, "nic": {}}
+
+    def log(self, message: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def emulator(self, cluster: Cluster, layout: RankLayout, like: EmulatedCluster | None = None) -> EmulatedCluster:
+        """Same scale factors as `like`: device speeds stay those of the full cluster."""
+        if like is None:
+            return EmulatedCluster(cluster, layout)
+        return EmulatedCluster(cluster, layout, compute_scale=like.compute_scale, net_scale=like.net_scale)
+
+    def run(self, emulated: EmulatedCluster, argv: list[str], what: str, env: dict | None = None) -> str:
+        with emulated:
+            result = emulated.run(argv, echo=False, env=env, timeout=1200)
+        if result.returncode != 0:
+            raise SystemExit(f"{what} failed (exit {result.returncode}):\n{result.output[-4000:]}")
+        return result.output
+
+    def profile(self, name: str, cluster: Cluster) -> tuple[Profiles, EmulatedCluster]:
+        directory = self.out / name / "profiles"
+        emulated = self.emulator(cluster, RankLayout.of_cluster(cluster))
+        self.log(f"{name}: profiling compute and links on the emulated cluster\n{emulated.describe()}")
+        self.run(emulated, ["-m", "tools.profile_compute", "-o", str(directory), "--micro-batch-sizes", "1", "2",
+                            "4", "--", *MODEL_FLAGS, *DATA_FLAGS], "compute profile")
+        self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), emulated),
+                 ["-m", "tools.profile_network", "-o", str(directory)], "link profile")
+        return Profiles.load_dir(directory), emulated
+
+    def measure(self, name: str, cluster: Cluster, plan: Plan, like: EmulatedCluster,
+                trace_dir: Path | None = None) -> dict:
+        path = self.out / name / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(path)
+        argv = ["pretrain_gpt.py", "--hetero-plan", str(path), *MODEL_FLAGS, *DATA_FLAGS,
+                "--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
+                "--train-iters", str(self.iterations), "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0"]
+        env = {"HETERO_TRACE_DIR": str(trace_dir), "HETERO_TRACE_ITERATION": str(self.iterations - 1)} if trace_dir else None
+        output = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv, f"training {name}", env)
+        times = [float(t) / 1e3 for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", output)]
+        memory = {int(r): float(mb) * 2**20 for r, mb in
+                  re.findall(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| max rss: ([0-9.]+)", output)}
+        iteration = statistics.median(times[WARMUP_ITERATIONS:])
+        stage_memory = {plan.coords(r).pp_rank: m for r, m in memory.items()}
+        return {"iteration_s": iteration, "tokens_per_s": plan.global_batch_size * self.spec.seq_length / iteration,
+                "all_iterations_s": times, "memory_per_stage": stage_memory}
+
+    def compare(self, cluster_name: str, label: str, cluster: Cluster, plan: Plan, costs: CostModel,
+                like: EmulatedCluster, trace_dir: Path | None = None) -> tuple[dict, Prediction]:
+        prediction = predict(plan, cluster, costs)
+        self.log(f"{cluster_name}: running {label}: {describe(plan)}")
+        measured = self.measure(f"{cluster_name}/{slug(label)}", cluster, plan, like, trace_dir)
+        predicted_memory = {r.slot.stage: r.memory.total for r in prediction.reports if r.slot.replica == 0}
+        row = {"cluster": cluster_name, "plan": label, "layout": describe(plan),
+               "predicted_s": prediction.iteration_time_s, "measured_s": measured["iteration_s"],
+               "time_error": prediction.iteration_time_s / measured["iteration_s"] - 1,
+               "measured_tokens_per_s": measured["tokens_per_s"],
+               "memory": [{"stage": s, "predicted_mb": predicted_memory[s] / 2**20, "measured_mb": m / 2**20,
+                           "error": predicted_memory[s] / m - 1}
+                          for s, m in sorted(measured["memory_per_stage"].items())]}
+        self.results["predictor"].append(row)
+        self.log(f"  measured {row['measured_s']:.3f} s, predicted {row['predicted_s']:.3f} s "
+                 f"({row['time_error']:+.1%}); memory " + ", ".join(
+                     f"stage {m['stage']} {m['measured_mb']:.0f} MB vs {m['predicted_mb']:.0f} ({m['error']:+.1%})"
+                     for m in row["memory"]))
+        return row, prediction
+
+    def alternatives(self, planner: Planner, taken: list[Plan], count: int) -> list[tuple[str, Plan]]:
+        """The planner's next-best distinct layouts (other PP degree, family or micro-batch)."""
+        found = sorted(planner.candidates(), key=lambda c: c.estimate_s)
+        chosen, seen = [], {layout_key(p) for p in taken}
+        for candidate in _distinct(found):
+            plan = planner.materialize(candidate, candidate.order)
+            key = layout_key(plan)
+            if key not in seen and predict(plan, planner.cluster, planner.costs).fits:
+                seen.add(key)
+                chosen.append((f"alternative {len(chosen) + 1} ({candidate.family})", plan))
+            if len(chosen) == count:
+                break
+        return chosen
+
+    # ----- the three results -----------------------------------------------------------
+
+    def compute_cluster(self, global_batch: int) -> None:
+        cluster = Cluster.load(CLUSTERS / "emu_compute.yaml")
+        profiles, like = self.profile("compute", cluster)
+        costs = CostModel(cluster, self.spec, SETUP, profiles)
+        planner = Planner(cluster, self.spec, global_batch, OPTIONS, profiles)
+        best = planner.plan()
+        baseline = megatron_baseline(cluster, self.spec, global_batch, OPTIONS, profiles)
+        trace_dir = self.out / "compute" / "trace"
+        planned, prediction = self.compare("compute", "planner", cluster, best.plan, costs, like, trace_dir)
+        stock, _ = self.compare("compute", "Megatron baseline", cluster, baseline.plan, costs, like)
+        for label, plan in self.alternatives(planner, [best.plan, baseline.plan], 2):
+            self.compare("compute", label, cluster, plan, costs, like)
+        measured_timeline_png(best.plan, prediction, load_traces(trace_dir), self.out / "timeline.png")
+        alone = {}
+        for device_type, count in cluster.device_counts().items():
+            share = round(global_batch * count / cluster.num_devices)
+            sub = cluster.only(device_type)
+            plan = Planner(sub, self.spec, share, OPTIONS, profiles).plan().plan
+            self.log(f"compute: upper bound, {device_type} alone on {share} of {global_batch} sequences: {describe(plan)}")
+            alone[device_type] = self.measure(f"compute/alone-{device_type}", sub, plan, like)["tokens_per_s"]
+        bound = sum(alone.values())
+        self.results["quality"] = {
+            "planner_tokens_per_s": planned["measured_tokens_per_s"],
+            "baseline_tokens_per_s": stock["measured_tokens_per_s"],
+            "speedup": planned["measured_tokens_per_s"] / stock["measured_tokens_per_s"],
+            "upper_bound_tokens_per_s": bound, "alone_tokens_per_s": alone,
+            "fraction_of_upper_bound": planned["measured_tokens_per_s"] / bound,
+            "planner_layout": planned["layout"], "baseline_layout": stock["layout"]}
+
+    def nic_cluster(self, global_batch: int) -> None:
+        cluster = Cluster.load(CLUSTERS / "emu_nic.yaml")
+        profiles, like = self.profile("nic", cluster)
+        costs = CostModel(cluster, self.spec, SETUP, profiles)
+        planner = Planner(cluster, self.spec, global_batch, OPTIONS, profiles)
+        best = planner.plan().plan
+        in_launch_order = Plan.from_dict({**best.to_dict(), "rank_order": list(range(best.world_size))})
+        aware, _ = self.compare("nic", "planner (NIC-aware order)", cluster, best, costs, like)
+        taken = [best]
+        if best.rank_order != in_launch_order.rank_order:
+            launch, _ = self.compare("nic", "same plan in launch order", cluster, in_launch_order, costs, like)
+            taken.append(in_launch_order)
+        else:
+            launch = aware
+        baseline = megatron_baseline(cluster, self.spec, global_batch, OPTIONS, profiles).plan
+        if layout_key(baseline) not in {layout_key(p) for p in taken}:
+            self.compare("nic", "Megatron baseline", cluster, baseline, costs, like)
+            taken.append(baseline)
+        for label, plan in self.alternatives(planner, taken, 1):
+            self.compare("nic", label, cluster, plan, costs, like)
+        self.results["nic"] = {"aware_tokens_per_s": aware["measured_tokens_per_s"],
+                               "launch_order_tokens_per_s": launch["measured_tokens_per_s"],
+                               "speedup": aware["measured_tokens_per_s"] / launch["measured_tokens_per_s"],
+                               "aware_rank_order": best.rank_order, "layout": aware["layout"]}
+
+
+def describe(plan: Plan) -> str:
+    layers = "/".join(str(s.num_layers) for s in plan.stages)
+    micro = "/".join(str(r.num_micro_batches) for r in plan.replicas)
+    return (f"TP{plan.tensor_parallel} PP{plan.pipeline_parallel} DP{plan.data_parallel} mbs {plan.micro_batch_size} "
+            f"layers {layers} micro-batches {micro} order {plan.rank_order}")
+
+
+def layout_key(plan: Plan) -> tuple:
+    return (plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size,
+            tuple(s.num_layers for s in plan.stages), tuple(r.num_micro_batches for r in plan.replicas),
+            tuple(plan.rank_order))
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+def load_traces(directory: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("trace-rank*.json"))]
+
+
+def report(results: dict) -> str:
+    rows = results["predictor"]
+    lines = ["## Predictor vs measured (emulated clusters, profiles taken on them)", "",
+             "| cluster | plan | layout | measured s/iter | predicted | error | memory measured vs predicted (MB) |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        memory = "; ".join(f"s{m['stage']} {m['measured_mb']:.0f} vs {m['predicted_mb']:.0f} ({m['error']:+.1%})"
+                           for m in r["memory"])
+        lines.append(f"| {r['cluster']} | {r['plan']} | {r['layout']} | {r['measured_s']:.3f} | "
+                     f"{r['predicted_s']:.3f} | {r['time_error']:+.1%} | {memory} |")
+    time_mae = statistics.mean(abs(r["time_error"]) for r in rows)
+    memory_mae = statistics.mean(abs(m["error"]) for r in rows for m in r["memory"])
+    lines += ["", f"Mean absolute error: iteration time {time_mae:.1%}, peak memory {memory_mae:.1%} "
+              f"over {len(rows)} plans (target <= 10%).", ""]
+    q = results["quality"]
+    if q:
+        lines += ["## Plan quality (compute cluster: 3 fast + 1 half-speed device)", "",
+                  f"- planner ({q['planner_layout']}): {q['planner_tokens_per_s']:.0f} tokens/s",
+                  f"- Megatron baseline ({q['baseline_layout']}): {q['baseline_tokens_per_s']:.0f} tokens/s",
+                  f"- speed-up {q['speedup']:.2f}x (target >= 1.3x)",
+                  "- upper bound (each type alone, summed): " + " + ".join(
+                      f"{t} {v:.0f}" for t, v in q["alone_tokens_per_s"].items())
+                  + f" = {q['upper_bound_tokens_per_s']:.0f} tokens/s; planner reaches "
+                    f"{q['fraction_of_upper_bound']:.1%} (target >= 90%)", ""]
+    n = results["nic"]
+    if n:
+        lines += ["## NIC awareness (2 InfiniBand + 2 Ethernet nodes, listed interleaved)", "",
+                  f"- planner's order {n['aware_rank_order']} ({n['layout']}): {n['aware_tokens_per_s']:.0f} tokens/s",
+                  f"- same plan in launch order: {n['launch_order_tokens_per_s']:.0f} tokens/s",
+                  f"- NIC-aware / launch order: {n['speedup']:.2f}x", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench-emulated"))
+    parser.add_argument("--iterations", type=int, default=6, help="training iterations per run (2 warm-up)")
+    parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--only", choices=["compute", "nic"], default=None)
+    options = parser.parse_args()
+    missing = EmulatedCluster.missing_prerequisites()
+    if missing:
+        print("emulated bench skipped: " + "; ".join(missing), file=sys.stderr)
+        return 2
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(out, options.iterations)
+    start = time.monotonic()
+    if options.only in (None, "compute"):
+        bench.compute_cluster(options.global_batch_size)
+    if options.only in (None, "nic"):
+        bench.nic_cluster(options.global_batch_size // 2)
+    (out / "results.json").write_text(json.dumps(bench.results, indent=1))
+    text = report(bench.results)
+    (out / "report.md").write_text(text)
+    print("\n" + text)
+    print(f"(bench took {time.monotonic() - start:.0f} s; files in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""python -m tools.emulator: run a script on this machine as if it were a cluster.
+
+    sudo python -m tools.emulator --cluster examples/clusters/cpu_demo.yaml --plan plan.json \\
+        -- pretrain_gpt.py --num-layers 6 ...
+
+Every node of the cluster becomes a network namespace with its NIC's rate and latency,
+every rank a CPU quota in proportion to its device's speed; everything made is removed
+on exit, on error and on Ctrl-C. `--hetero-plan PLAN` is added for pretrain_gpt.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from hetero.cluster import Cluster
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+from tools.emulator.cluster import EmulatedCluster, RankLayout
+
+
+def _stop_on_sigterm() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    job: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, job = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="python -m tools.emulator", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", required=True, help="cluster spec (YAML)")
+    parser.add_argument("--plan", help="plan.json: which rank stands in for which device (default: "
+                                       "the cluster's devices in order)")
+    parser.add_argument("--unshaped", action="store_true",
+                        help="no namespaces, tc or quotas: plain local processes (no root needed)")
+    parser.add_argument("--compute-scale", type=float, default=None,
+                        help="cores given to a rank of the fastest device type")
+    parser.add_argument("--net-scale", type=float, default=None, help="NIC rate multiplier")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--dry-run", action="store_true", help="print the emulated cluster and stop")
+    options = parser.parse_args(argv)
+    if not job and not options.dry_run:
+        parser.error("give the job after --, e.g. -- pretrain_gpt.py --num-layers 4 ...")
+    _stop_on_sigterm()
+    try:
+        cluster = Cluster.load(options.cluster)
+        plan = Plan.load(options.plan) if options.plan else None
+        layout = RankLayout.of_plan(plan) if plan else RankLayout.of_cluster(cluster)
+        if job and job[0].endswith("pretrain_gpt.py") and plan and "--hetero-plan" not in job:
+            job = [job[0], "--hetero-plan", options.plan, *job[1:]]
+        emulated = EmulatedCluster(cluster, layout, shaped=not options.unshaped,
+                                   compute_scale=options.compute_scale, net_scale=options.net_scale)
+        print(emulated.describe(), flush=True)
+        if options.dry_run:
+            return 0
+        with emulated:
+            result = emulated.run(job, timeout=options.timeout)
+        return result.returncode
+    except HeteroError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("emulator: interrupted; removed everything it created", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Run a job on this machine as if it were a cluster spec's cluster.
+
+Every node of the cluster becomes a network namespace (network.py) running its own
+torchrun; every rank gets a CPU quota in proportion to its device type's peak throughput
+(cpu_quota.py). Two factors scale the whole cluster down to what this machine can do, so
+that the RATIOS between devices and between NICs are those of the real cluster:
+
+    compute_scale: the fastest device type's rank gets this many cores (default: what
+                   fills 3/4 of this machine's cores when every rank runs)
+    net_scale:     NIC rate multiplier (default: the fastest NIC becomes 2 Gbit/s)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetero.cluster import Cluster
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+from tools.emulator import cpu_quota, network
+
+REPO = Path(__file__).resolve().parents[2]
+FASTEST_NIC_MBIT = 2000.0
+CORES_USED = 0.75
+
+
+@dataclass
+class RankLayout:
+    """Which device each launch rank stands in for, node by node (launch ranks of one host
+    are consecutive, as torchrun numbers them)."""
+
+    hosts: list[tuple[str, list[int]]]
+    device_types: list[str]
+    vendors: list[str]
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> "RankLayout":
+        return cls(plan.hosts(), [d.device_type for d in plan.devices], [d.vendor for d in plan.devices])
+
+    @classmethod
+    def of_cluster(cls, cluster: Cluster) -> "RankLayout":
+        hosts, types, vendors, rank = [], [], [], 0
+        for node in cluster.nodes:
+            hosts.append((node.host, list(range(rank, rank + node.count))))
+            types += [node.device.name] * node.count
+            vendors += [node.device.vendor] * node.count
+            rank += node.count
+        return cls(hosts, types, vendors)
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    lines: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+class EmulatedCluster:
+    def __init__(self, cluster: Cluster, layout: RankLayout, *, shaped: bool = True,
+                 compute_scale: float | None = None, net_scale: float | None = None,
+                 run_id: int | None = None):
+        self.cluster, self.layout, self.shaped = cluster, layout, shaped
+        self.run_id = run_id if run_id is not None else os.getpid() % 100000
+        for host, _ in layout.hosts:
+            cluster.node(host)  # a plan for another cluster fails here, by host name
+        peaks = [cluster.devices[t].peak_tflops for t in layout.device_types]
+        relative = [p / max(peaks) for p in peaks]
+        self.compute_scale = compute_scale or min(1.0, CORES_USED * (os.cpu_count() or 1) / sum(relative))
+        self.cpu_fractions = [r * self.compute_scale for r in relative]
+        fastest = max(cluster.node(h).nic.gbps for h, _ in layout.hosts) * 1000
+        self.net_scale = net_scale or min(1.0, FASTEST_NIC_MBIT / fastest)
+        self.node_links = [
+            network.NodeLink(h, cluster.node(h).nic.gbps * 1000 * self.net_scale, cluster.node(h).nic.latency_us)
+            for h, _ in layout.hosts
+        ]
+        self._network: network.EmulatedNetwork | None = None
+        self._quotas: cpu_quota.CpuQuotas | None = None
+
+    @staticmethod
+    def missing_prerequisites() -> list[str]:
+        return network.missing_prerequisites() + cpu_quota.missing_prerequisites()
+
+    def describe(self) -> str:
+        lines = [f"emulated {self.cluster.name}: {len(self.layout.hosts)} nodes, "
+                 f"{len(self.layout.device_types)} ranks" + ("" if self.shaped else " (UNSHAPED)")]
+        for (host, ranks), link in zip(self.layout.hosts, self.node_links):
+            cores = ", ".join(f"{self.cpu_fractions[r]:.2f}" for r in ranks)
+            shaping = f"{link.mbit_per_s:.0f} Mbit/s, {link.latency_us:.0f} us" if self.shaped else "unshaped"
+            lines.append(f"  {host}: ranks {ranks[0]}-{ranks[-1]} {self.layout.device_types[ranks[0]]} "
+                         f"(cores {cores}), NIC {shaping}")
+        return "\n".join(lines)
+
+    # ----- lifetime -------------------------------------------------------------------
+
+    def __enter__(self) -> "EmulatedCluster":
+        if self.shaped:
+            missing = self.missing_prerequisites()
+            if missing:
+                raise HeteroError("cannot emulate the cluster here: " + "; ".join(missing)
+                                  + ". Pass --unshaped to run as plain local processes.")
+            try:
+                self._network = network.EmulatedNetwork(self.run_id, self.node_links).__enter__()
+                self._quotas = cpu_quota.CpuQuotas(self.run_id, self.cpu_fractions).__enter__()
+            except BaseException:
+                self.__exit__()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._quotas:
+            self._quotas.remove()
+        if self._network:
+            self._network.remove()
+
+    # ----- running --------------------------------------------------------------------
+
+    def node_command(self, node_rank: int, argv: list[str], master_port: int) -> tuple[list[str], dict]:
+        host, ranks = self.layout.hosts[node_rank]
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "HETERO_DEVICE": ",".join(self.layout.device_types[r] for r in ranks),
+               "HETERO_VENDOR": ",".join(self.layout.vendors[r] for r in ranks),
+               "HETERO_EMULATED_HOST": host}
+        master = "127.0.0.1"
+        prefix: list[str] = []
+        if self._network:
+            node = self._network.node(host)
+            master = self._network.node(self.layout.hosts[0][0]).address
+            prefix = self._network.exec_prefix(host)
+            env["GLOO_SOCKET_IFNAME"] = node.device
+            env["HETERO_EMULATOR_CGROUPS"] = ",".join(str(self._quotas.path(r)) for r in ranks)
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run",
+                   f"--nnodes={len(self.layout.hosts)}", f"--node-rank={node_rank}",
+                   f"--nproc-per-node={len(ranks)}", f"--master-addr={master}",
+                   f"--master-port={master_port}", "-m", "tools.emulator.rank_entry", *argv]
+        return command, env
+
+    def run(self, argv: list[str], *, timeout: float = 1800, echo: bool = True,
+            env: dict | None = None, master_port: int | None = None) -> JobResult:
+        """Runs `python ARGV...` as every rank (ARGV[0] a script) and waits for all nodes."""
+        master_port = master_port or 20000 + self.run_id % 20000
+        result, procs, lock = JobResult(0), [], threading.Lock()
+        start = time.monotonic()
+
+        def pump(proc: subprocess.Popen) -> None:
+            for line in proc.stdout:
+                with lock:
+                    result.lines.append(line)
+                    if echo:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
+
+        readers = []
+        try:
+            for node_rank in range(len(self.layout.hosts)):
+                command, node_env = self.node_command(node_rank, argv, master_port)
+                proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **node_env, **(env or {})},
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+                procs.append(proc)
+                readers.append(threading.Thread(target=pump, args=(proc,), daemon=True))
+                readers[-1].start()
+            deadline = start + timeout
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise HeteroError(f"emulated job ran past {timeout:.0f} s")
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(5)  # let the others report why, then stop them
+                    break
+                time.sleep(0.05)
+        finally:
+            kill_trees([p.pid for p in procs if p.poll() is None])
+            for proc in procs:
+                proc.wait()
+            for reader in readers:
+                reader.join(timeout=5)
+        result.returncode = next((p.returncode for p in procs if p.returncode not in (0, None)), 0)
+        if any(p.returncode is None for p in procs):
+            result.returncode = result.returncode or 1
+        result.seconds = time.monotonic() - start
+        return result
+
+
+def descendants(pids: list[int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], list(pids)
+    while frontier:
+        frontier = [child for pid in frontier for child in children.get(pid, [])]
+        found += frontier
+    return found
+
+
+def kill_trees(pids: list[int]) -> None:
+    """SIGKILL to the processes and all their descendants (torchrun puts every worker in a
+    session of its own, so process groups do not reach them)."""
+    for pid in [*pids, *descendants(pids)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

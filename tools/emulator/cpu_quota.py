@@ -1,0 +1,73 @@
+"""CPU quotas (cgroup v1 cpu controller) that make a rank as slow as its device type.
+
+A rank joins its cgroup itself before it starts the training script (rank_entry.py), so
+every thread it creates - gloo's included - counts against the quota.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hetero.errors import HeteroError
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+# A short period: a rank over its quota waits for the next period, and a 100 ms default
+# would add tens of milliseconds to every message that finds its receiver throttled.
+PERIOD_US = 10_000
+
+
+def missing_prerequisites() -> list[str]:
+    if not (CPU_CGROUP / "cgroup.procs").exists():
+        return [f"no cgroup v1 cpu controller at {CPU_CGROUP} (CPU quotas cannot be set)"]
+    if not os.access(CPU_CGROUP, os.W_OK):
+        return [f"{CPU_CGROUP} is not writable (CPU quotas need root)"]
+    return []
+
+
+class CpuQuotas:
+    """One cgroup per rank, named hetero-<run id>-r<launch rank>; removed on exit."""
+
+    def __init__(self, run_id: int, fractions: list[float]):
+        self.run_id = run_id
+        self.fractions = fractions
+        self.paths: list[Path] = []
+
+    def path(self, launch_rank: int) -> Path:
+        return CPU_CGROUP / f"hetero-{self.run_id}-r{launch_rank}"
+
+    def __enter__(self) -> "CpuQuotas":
+        try:
+            for rank, fraction in enumerate(self.fractions):
+                path = self.path(rank)
+                path.mkdir()
+                self.paths.append(path)
+                quota = max(1000, int(fraction * PERIOD_US))
+                (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (path / "cpu.cfs_quota_us").write_text(str(quota))
+        except OSError as err:
+            self.remove()
+            raise HeteroError(f"emulator: cannot create CPU cgroups under {CPU_CGROUP}: {err}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        root_procs = CPU_CGROUP / "cgroup.procs"
+        for path in reversed(self.paths):
+            try:
+                for pid in (path / "cgroup.procs").read_text().split():
+                    try:
+                        root_procs.write_text(pid)
+                    except OSError:  # exited meanwhile
+                        pass
+                path.rmdir()
+            except OSError:
+                pass
+        self.paths.clear()
+
+
+def join(cgroup: str | os.PathLike) -> None:
+    """Moves the calling process into the cgroup (its future threads and children follow)."""
+    (Path(cgroup) / "cgroup.procs").write_text(str(os.getpid()))

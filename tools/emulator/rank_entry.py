@@ -1,0 +1,25 @@
+"""What torchrun starts inside an emulated node: join this rank's CPU cgroup, then become
+the real script (exec keeps the pid, so the quota covers the whole rank).
+
+    torchrun ... -m tools.emulator.rank_entry pretrain_gpt.py --hetero-plan ...
+
+HETERO_EMULATOR_CGROUPS lists one cgroup directory per LOCAL_RANK (comma-separated).
+"""
+
+import os
+import sys
+
+from tools.emulator.cpu_quota import join
+
+
+def main() -> None:
+    cgroups = os.environ.get("HETERO_EMULATOR_CGROUPS")
+    if cgroups:
+        join(cgroups.split(",")[int(os.environ["LOCAL_RANK"])])
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m tools.emulator.rank_entry SCRIPT [ARGS...]")
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    main()

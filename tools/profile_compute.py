@@ -1,0 +1,205 @@
+"""Per-layer compute profile of a model shape on the local device, in the predictor's format.
+
+    python -m tools.profile_compute --device-type cpu-fast -o profiles/ \\
+        --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
+
+The model is megatron-core's GPTModel built exactly as pretrain_gpt.py builds it. It is
+timed with 1 and 3 decoder layers: the difference is two layers, the rest is embedding,
+output layer and loss (the profile's "logits"). Activation memory per layer is what
+autograd keeps for backward (saved-tensor hooks), on any device.
+
+Run by torchrun (or inside the emulator: `python -m tools.emulator --cluster C -- -m
+tools.profile_compute ...`) every rank profiles its own device concurrently - the
+contention of a real job - and rank 0 writes one profile per device type, the median over
+that type's ranks. --tensor-parallel T groups consecutive ranks (one host) T by T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetero.errors import HeteroError
+from hetero.profiles import ComputeProfile, model_shape
+
+PROBE_LAYERS = (1, 3)
+# Flags the profile does not depend on but pretrain_gpt.py's parser insists on.
+PLACEHOLDER_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                     "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
+
+
+def _init_world() -> None:
+    if "RANK" not in os.environ:  # one process: a world of one on a free local port
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(29000 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _device_type(override: str | None) -> str:
+    from megatron.hetero.distributed import detect_device
+
+    return override or detect_device(int(os.environ.get("LOCAL_RANK", 0))).device_type
+
+
+def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> tuple[float, float, float]:
+    """(forward s, backward s, bytes saved for backward) of one micro-batch, medians."""
+    from megatron.core import parallel_state
+    from hetero.plan import Plan
+    from megatron.hetero.model import gpt_stage, transformer_config
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=1,
+                        data_parallel=dist.get_world_size() // tp, micro_batch_size=micro_batch_size,
+                        num_layers=num_layers, global_batch_size=micro_batch_size * dist.get_world_size() // tp)
+    layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
+    model = gpt_stage(layered, transformer_config(layered, plan))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.padded_vocab_size, (micro_batch_size, args.seq_length), generator=generator).to(device)
+    positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    forwards, backwards, saved = [], [], []
+    for repeat in range(repeats + 2):  # two warm-up rounds
+        seen: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        sync()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, positions, None, labels=tokens).float().sum()
+        sync()
+        middle = time.perf_counter()
+        loss.backward()
+        sync()
+        end = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if repeat >= 2:
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+            saved.append(sum(seen.values()))
+    return statistics.median(forwards), statistics.median(backwards), statistics.median(saved)
+
+
+def profile_entry(args, micro_batch_size: int, repeats: int) -> dict:
+    """One profile entry (this rank's tensor-parallel degree) from two model depths."""
+    from megatron.core import parallel_state
+
+    (f1, b1, s1), (f3, b3, s3) = (_time_model(args, n, micro_batch_size, repeats) for n in PROBE_LAYERS)
+    layers = PROBE_LAYERS[1] - PROBE_LAYERS[0]
+    floor = 1e-7  # noise can make a difference of medians tiny; the schema wants > 0
+    layer_f, layer_b = max(floor, (f3 - f1) / layers), max(floor, (b3 - b1) / layers)
+    return {
+        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        "micro_batch_size": micro_batch_size,
+        "layer_forward_s": layer_f,
+        "layer_backward_s": layer_b,
+        "layer_activation_bytes": max(0.0, (s3 - s1) / layers),
+        "logits_forward_s": max(0.0, f1 - layer_f),
+        "logits_backward_s": max(0.0, b1 - layer_b),
+    }
+
+
+def _median_entries(entries: list[dict]) -> dict:
+    merged = dict(entries[0])
+    for key, value in merged.items():
+        if key.endswith("_s") or key.endswith("_bytes"):
+            merged[key] = statistics.median(e[key] for e in entries)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    gpt_flags: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, gpt_flags = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="python -m tools.profile_compute", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-o", "--output-dir", required=True, help="profile directory (hetero-plan --profiles)")
+    parser.add_argument("--device-type", default=None,
+                        help="name in the cluster spec (default: HETERO_DEVICE, else what torch sees)")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tensor-parallel", type=int, nargs="+", default=[1])
+    parser.add_argument("--repeats", type=int, default=5)
+    options = parser.parse_args(argv)
+
+    from megatron.core import parallel_state
+    from megatron.hetero import data
+    from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
+    from megatron.hetero.model import model_spec
+    from megatron.hetero.patches import apply_patches
+    from megatron.hetero.pretrain import quiet_expected_warnings
+    from megatron.hetero.training import set_random_seed
+
+    try:
+        args = parse_args(PLACEHOLDER_FLAGS + gpt_flags)
+        args.tensor_model_parallel_size = max(options.tensor_parallel)  # divisibility checks
+        args.pipeline_model_parallel_size = 1
+        validate_args(args)
+        args.padded_vocab_size = padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
+    except HeteroError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    apply_patches()
+    quiet_expected_warnings(int(os.environ.get("RANK", 0)))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    _init_world()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device_type = _device_type(options.device_type)
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    cases = [(tp, mbs) for tp in options.tensor_parallel for mbs in options.micro_batch_sizes]
+    results: list[tuple[str, dict]] = []
+    for number, (tp, mbs) in enumerate(cases, 1):
+        if world % tp:
+            raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
+        entry = profile_entry(args, mbs, options.repeats)
+        parallel_state.destroy_model_parallel()
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))
+        results += [(d, e) for d, e in gathered if e is not None]
+        if rank == 0:
+            mine = [e for d, e in results if d == device_type and e["micro_batch_size"] == mbs
+                    and e["tensor_parallel"] == tp]
+            merged = _median_entries(mine)
+            print(f"[profile {number}/{len(cases)}] tp {tp} mbs {mbs} on {device_type}: layer forward "
+                  f"{merged['layer_forward_s'] * 1e3:.2f} ms, backward {merged['layer_backward_s'] * 1e3:.2f} ms, "
+                  f"activations {merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
+    if rank == 0:
+        out = Path(options.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        shape = model_shape(model_spec(args))
+        for name in sorted({d for d, _ in results}):
+            entries = [_median_entries([e for d, e in results if d == name and (e["tensor_parallel"], e["micro_batch_size"]) == case])
+                       for case in cases if any(d == name and (e["tensor_parallel"], e["micro_batch_size"]) == case for d, e in results)]
+            profile = {"kind": "compute", "device_type": name, "precision": precision, "model": shape,
+                       "entries": entries, "measured_on": f"{world} concurrent rank(s), {time.strftime('%Y-%m-%d %H:%M')}"}
+            ComputeProfile.model_validate(profile)
+            path = out / f"compute-{name}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(profile, indent=1))
+            tmp.replace(path)
+            print(f"wrote {path}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
