@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench-emulated clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Predictor accuracy, plan quality and NIC awareness measured on emulated clusters (root).
+bench-emulated: $(STAMP)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/emulated_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The main job (README: `make demo`): plan a heterogeneous cluster, then train under the plan.
+# The main job (README: `make demo`): plan a heterogeneous cluster, then train under the plan
+# on an emulated copy of that cluster on this machine.
 #
-# 1. hetero-plan lays a small Llama-style model over examples/clusters/cpu_demo.yaml, four
-#    processes of this machine standing in for a fast node and a slow node (fp32, no
-#    fused attention: what runs on a CPU). It prints the plan, its predicted speed, the
-#    Megatron baseline, and draws the predicted iteration (runs/demo/plan.png).
-# 2. pretrain_gpt.py runs the plan with torchrun. Without GPUs, HETERO_DEVICE tells each
-#    process which of the plan's devices it stands in for (the start-up check compares).
+# 1. hetero-plan lays a small Llama-style model over examples/clusters/cpu_demo.yaml: a
+#    fast node and a node half as fast, two devices each (fp32, no fused attention: what
+#    runs on a CPU). It prints the plan, its predicted speed, the Megatron baseline, and
+#    draws the predicted iteration (runs/demo/plan.png).
+# 2. tools/emulator makes this machine that cluster - one network namespace per node with
+#    its NIC's rate, a CPU quota per process in proportion to its device's speed - and
+#    runs pretrain_gpt.py under the plan with one torchrun per node. Without root (or with
+#    EMULATE=0) the processes run unshaped under one torchrun; HETERO_DEVICE tells each
+#    which of the plan's devices it stands in for.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,12 +22,6 @@ hetero-plan --cluster examples/clusters/cpu_demo.yaml --model examples/models/ll
   --global-batch-size 16 --seq-length 128 --micro-batch-size 2 \
   --precision fp32 --no-fused-kernels --no-dropout --quiet -o "$PLAN" --timeline "$OUT/plan.png"
 echo
-
-NPROC=$(python -c "from hetero.plan import Plan; print(Plan.load('$PLAN').world_size)")
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  export HETERO_DEVICE=$(python -c "from hetero.plan import Plan; print(','.join(d.device_type for d in Plan.load('$PLAN').devices))")
-  export HETERO_VENDOR=$(python -c "from hetero.plan import Plan; print(','.join(d.vendor for d in Plan.load('$PLAN').devices))")
-fi
 
 GPT_ARGS=(
   --num-layers 6 --hidden-size 128 --ffn-hidden-size 352 --num-attention-heads 8
@@ -41,5 +39,13 @@ TRAINING_ARGS=(
 DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 2047 --num-workers 0)
 OUTPUT_ARGS=(--log-interval 5 --eval-interval 15 --eval-iters 2)
 
-exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-  --hetero-plan "$PLAN" "${GPT_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
+ARGS=("${GPT_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}")
+if [ "${EMULATE:-1}" = 1 ] && python -c "import sys; from tools.emulator import EmulatedCluster as E; m = E.missing_prerequisites(); print('emulator unavailable: ' + '; '.join(m) + ' -> running unshaped', file=sys.stderr) if m else None; sys.exit(1 if m else 0)"; then
+  exec python -m tools.emulator --cluster examples/clusters/cpu_demo.yaml --plan "$PLAN" -- pretrain_gpt.py "${ARGS[@]}"
+fi
+NPROC=$(python -c "from hetero.plan import Plan; print(Plan.load('$PLAN').world_size)")
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export HETERO_DEVICE=$(python -c "from hetero.plan import Plan; print(','.join(d.device_type for d in Plan.load('$PLAN').devices))")
+  export HETERO_VENDOR=$(python -c "from hetero.plan import Plan; print(','.join(d.vendor for d in Plan.load('$PLAN').devices))")
+fi
+exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py --hetero-plan "$PLAN" "${ARGS[@]}"

@@ -117,6 +117,9 @@ class CostModel:
         return self.model.seq_length * micro_batch_size * self.model.hidden_size * self.precision.value_bytes
 
     def optimizer_step(self, device_name: str, params: float) -> float:
+        profile = self.profiles.compute_profile(device_name, self.model, self.setup.precision)
+        if profile is not None and profile.optimizer_step_s_per_param is not None:
+            return params * profile.optimizer_step_s_per_param
         device = self.cluster.devices[device_name]
         return params * ADAM_BYTES_PER_PARAM / (device.memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
 

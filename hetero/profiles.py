@@ -10,7 +10,8 @@ compute - one device type, one model shape, timings per (tensor parallel, micro-
      "entries": [{"tensor_parallel": 1, "micro_batch_size": 1,
                   "layer_forward_s": 0.0071, "layer_backward_s": 0.0139,
                   "layer_activation_bytes": 1.1e9,                      # optional
-                  "logits_forward_s": 0.004, "logits_backward_s": 0.008}]}   # optional
+                  "logits_forward_s": 0.004, "logits_backward_s": 0.008}],   # optional
+     "optimizer_step_s_per_param": 2.1e-11}                                  # optional
 
 links - measured point-to-point routes between hosts (a host with itself: inside a node):
 
@@ -67,6 +68,8 @@ class ComputeProfile(_Strict):
     precision: str = "bf16"
     model: dict
     entries: list[ComputeEntry] = Field(min_length=1)
+    optimizer_step_s_per_param: float | None = Field(default=None, gt=0)
+    """Adam step (with gradient-norm clipping) per parameter held."""
     measured_on: str | None = None
 
 

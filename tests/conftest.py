@@ -148,6 +148,7 @@ class LiveJob:
         self.proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
+        self._seen: set[int] = set()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -170,6 +171,7 @@ class LiveJob:
 
     def worker_pid(self, launch_rank: int) -> int:
         """The pid of the worker torchrun started as RANK=launch_rank."""
+        self._seen.update(self._descendants())
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -202,10 +204,13 @@ class LiveJob:
 
     def kill_everything(self) -> None:
         """SIGKILL to the launcher and every worker: torchrun starts each worker in a session
-        of its own, so killing the launcher's process group alone would leave them running."""
+        of its own, so killing the launcher's process group alone would leave them running.
+        Processes seen earlier count too: a killed rank's helpers (megatron-core's
+        checkpoint Manager) are orphaned, no longer our descendants, and would live on."""
         import signal
 
-        for pid in [self.proc.pid, *self._descendants()]:
+        self._seen.update(self._descendants())
+        for pid in [self.proc.pid, *self._seen]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

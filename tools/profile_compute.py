@@ -97,6 +97,28 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> t
     return statistics.median(forwards), statistics.median(backwards), statistics.median(saved)
 
 
+def optimizer_step_per_param(args, repeats: int) -> float:
+    """Seconds per parameter of gradient-norm clipping plus an Adam step (torch's Adam, what
+    megatron-core runs without apex), on a 3-layer model with fp32 master weights."""
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda" if torch.cuda.is_available() else "cpu"))
+              for n in (args.hidden_size * args.hidden_size * 12,) * 3]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    times = []
+    for repeat in range(repeats + 1):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        adam.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if repeat:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
 def profile_entry(args, micro_batch_size: int, repeats: int) -> dict:
     """One profile entry (this rank's tensor-parallel degree) from two model depths."""
     from megatron.core import parallel_state
@@ -156,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     except HeteroError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not torch.cuda.is_available():
+        from megatron.hetero.cpu_device import return_freed_memory_to_os
+
+        return_freed_memory_to_os()  # as pretrain_gpt.py does on the CPU: allocations cost the same
     apply_patches()
     quiet_expected_warnings(int(os.environ.get("RANK", 0)))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -182,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[profile {number}/{len(cases)}] tp {tp} mbs {mbs} on {device_type}: layer forward "
                   f"{merged['layer_forward_s'] * 1e3:.2f} ms, backward {merged['layer_backward_s'] * 1e3:.2f} ms, "
                   f"activations {merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
+    per_param: list = [None] * world
+    dist.all_gather_object(per_param, (device_type, optimizer_step_per_param(args, options.repeats)))
     if rank == 0:
         out = Path(options.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             entries = [_median_entries([e for d, e in results if d == name and (e["tensor_parallel"], e["micro_batch_size"]) == case])
                        for case in cases if any(d == name and (e["tensor_parallel"], e["micro_batch_size"]) == case for d, e in results)]
             profile = {"kind": "compute", "device_type": name, "precision": precision, "model": shape,
-                       "entries": entries, "measured_on": f"{world} concurrent rank(s), {time.strftime('%Y-%m-%d %H:%M')}"}
+                       "entries": entries,
+                       "optimizer_step_s_per_param": statistics.median(t for d, t in per_param if d == name),
+                       "measured_on": f"{world} concurrent rank(s), {time.strftime('%Y-%m-%d %H:%M')}"}
             ComputeProfile.model_validate(profile)
             path = out / f"compute-{name}.json"
             tmp = path.with_suffix(".tmp")
