@@ -74,7 +74,8 @@ class Bench:
         """Same scale factors as `like`: device speeds stay those of the full cluster."""
         if like is None:
             return EmulatedCluster(cluster, layout)
-        return EmulatedCluster(cluster, layout, compute_scale=like.compute_scale, net_scale=like.net_scale)
+        return EmulatedCluster(cluster, layout, compute_scale=like.compute_scale, net_scale=like.net_scale,
+                               reference_tflops=like.reference_tflops)
 
     def run(self, emulated: EmulatedCluster, argv: list[str], what: str, env: dict | None = None) -> str:
         with emulated:

@@ -100,6 +100,7 @@ class Profiles:
 
     def __init__(self, compute: list[ComputeProfile] = (), links: list[LinkProfile] = ()):
         self.compute = list(compute)
+        self.link_profiles = list(links)
         self.links: dict[frozenset, LinkEntry] = {}
         for profile in links:
             for link in profile.links:
@@ -154,3 +155,19 @@ class Profiles:
 
     def link(self, host_a: str, host_b: str) -> LinkEntry | None:
         return self.links.get(frozenset((host_a, host_b)))
+
+    def allreduce_fit(self, hosts: tuple[str, ...]) -> tuple[float, float] | None:
+        """(seconds per byte, fixed seconds) of a whole all-reduce over members on exactly
+        these hosts, from two or more measured sizes; None when not measured. What the
+        library really does (its ring order, duplex use of a NIC) is in the measurement."""
+        wanted = sorted(hosts)
+        sizes: dict[float, float] = {}
+        for profile in self.link_profiles:
+            for entry in profile.collectives:
+                if entry.op == "allreduce" and sorted(entry.hosts) == wanted:
+                    sizes[entry.bytes] = entry.seconds
+        if len(sizes) < 2:
+            return None
+        (small, t_small), (large, t_large) = min(sizes.items()), max(sizes.items())
+        per_byte = max(0.0, (t_large - t_small) / (large - small))
+        return per_byte, max(0.0, t_small - per_byte * small)

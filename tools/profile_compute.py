@@ -3,7 +3,7 @@
     python -m tools.profile_compute --device-type cpu-fast -o profiles/ \\
         --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
 
-The model is megatron-core's GPTModel built exactly as pretrain_gpt.py builds it. It is
+The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does. It is
 timed with 1 and 3 decoder layers: the difference is two layers, the rest is embedding,
 output layer and loss (the profile's "logits"). Activation memory per layer is what
 autograd keeps for backward (saved-tensor hooks), on any device.
@@ -53,16 +53,17 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> t
     """(forward s, backward s, bytes saved for backward) of one micro-batch, medians."""
     from megatron.core import parallel_state
     from hetero.plan import Plan
-    from megatron.hetero.model import gpt_stage, transformer_config
+    from megatron.hetero.model import build_model, transformer_config
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=1,
                         data_parallel=dist.get_world_size() // tp, micro_batch_size=micro_batch_size,
                         num_layers=num_layers, global_batch_size=micro_batch_size * dist.get_world_size() // tp)
     layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
-    model = gpt_stage(layered, transformer_config(layered, plan))
+    # Wrapped for data parallelism as in training: backward also accumulates every
+    # gradient into the reduction buffer, a per-micro-batch cost.
+    model = build_model(layered, plan, transformer_config(layered, plan))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model.to(device)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.padded_vocab_size, (micro_batch_size, args.seq_length), generator=generator).to(device)
     positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1)
@@ -89,7 +90,7 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> t
         loss.backward()
         sync()
         end = time.perf_counter()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad_buffer()
         if repeat >= 2:
             forwards.append(middle - start)
             backwards.append(end - middle)

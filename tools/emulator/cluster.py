@@ -72,13 +72,17 @@ class JobResult:
 class EmulatedCluster:
     def __init__(self, cluster: Cluster, layout: RankLayout, *, shaped: bool = True,
                  compute_scale: float | None = None, net_scale: float | None = None,
-                 run_id: int | None = None):
+                 reference_tflops: float | None = None, run_id: int | None = None):
+        """reference_tflops: the peak that gets compute_scale cores (default: the fastest
+        device in this layout). Pass the full cluster's when emulating part of it, so a
+        device type keeps its speed (the upper bound runs each type alone)."""
         self.cluster, self.layout, self.shaped = cluster, layout, shaped
         self.run_id = run_id if run_id is not None else os.getpid() % 100000
         for host, _ in layout.hosts:
             cluster.node(host)  # a plan for another cluster fails here, by host name
         peaks = [cluster.devices[t].peak_tflops for t in layout.device_types]
-        relative = [p / max(peaks) for p in peaks]
+        self.reference_tflops = reference_tflops or max(peaks)
+        relative = [p / self.reference_tflops for p in peaks]
         self.compute_scale = compute_scale or min(1.0, CORES_USED * (os.cpu_count() or 1) / sum(relative))
         self.cpu_fractions = [r * self.compute_scale for r in relative]
         fastest = max(cluster.node(h).nic.gbps for h, _ in layout.hosts) * 1000
