@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py $(wildcard csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	# torch first and pinned: on a CPU machine this is the CPU wheel, not a multi-GB CUDA build

@@ -2,9 +2,39 @@
 
 Install (the CPU torch wheel first, so nothing pulls a CUDA build on a CPU machine):
     pip install torch==2.13.0 && pip install --no-build-isolation -e '.[test]'
+--no-build-isolation because the C++ extension hetero._comm_ext builds against the
+installed torch.
 """
 
+from glob import glob
+
 from setuptools import find_namespace_packages, setup
+from torch.utils import cpp_extension
+
+
+def comm_extension() -> cpp_extension.CppExtension:
+    """hetero._comm_ext, the C++ side of the `hetero` torch.distributed backend (csrc/).
+
+    One source tree for every torch build: with a CUDA or ROCm torch and its toolkit
+    present it is a CUDAExtension (ROCm sources are hipified by torch) with the
+    stream/event code enabled by HETERO_WITH_CUDA; otherwise a CppExtension for CPU tensors.
+    """
+    import torch
+
+    sources = ["csrc/hetero_backend.cpp", "csrc/module.cpp"]
+    common = dict(depends=sorted(glob("csrc/*.hpp")))
+    gpu_toolkit = (torch.version.cuda and cpp_extension.CUDA_HOME) or (
+        torch.version.hip and cpp_extension.ROCM_HOME
+    )
+    if gpu_toolkit:
+        return cpp_extension.CUDAExtension(
+            "hetero._comm_ext", sources, define_macros=[("HETERO_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"], "nvcc": ["-O2"]}, **common,
+        )
+    return cpp_extension.CppExtension(
+        "hetero._comm_ext", sources, extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]}, **common
+    )
+
 
 setup(
     name="megatron-hetero",
@@ -15,6 +45,8 @@ setup(
     # megatron.hetero and never a megatron/__init__.py.
     packages=find_namespace_packages(include=["hetero", "hetero.*", "megatron.hetero", "megatron.hetero.*"]),
     py_modules=["pretrain_gpt"],
+    ext_modules=[comm_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",

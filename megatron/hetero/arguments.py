@@ -159,8 +159,9 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
-                   help="default nccl on GPUs, gloo on the CPU")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo", "hetero"],
+                   help="default nccl on GPUs, gloo on the CPU; hetero: native library inside "
+                        "each vendor of the plan's devices, a bridge across vendors")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--use-cpu-initialization", action="store_true")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,

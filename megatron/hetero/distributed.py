@@ -9,7 +9,9 @@ same clear message everywhere instead of hanging in a collective:
    rendezvous key-value store (not a collective), so all ranks see every mismatch;
 3. only then ``init_process_group`` with the logical rank the plan assigns to this
    process, and megatron-core's ``initialize_model_parallel``, whose default rank order
-   (tp fastest, then dp, then pp) is the plan's logical order.
+   (tp fastest, then dp, then pp) is the plan's logical order. With
+   ``--distributed-backend hetero`` each process first tells the backend its vendor (the
+   plan's, or HETERO_VENDOR), so groups within one vendor use the native library.
 """
 
 from __future__ import annotations
@@ -166,6 +168,28 @@ def verify_devices(
         )
 
 
+def comm_vendor(plan: Plan, launch: Launch, found: FoundDevice, planned: bool) -> str:
+    """This rank's vendor for --distributed-backend hetero.
+
+    HETERO_VENDOR, when set, wins (per local rank, as in detect_device); else the plan's
+    entry for this process (``devices`` is indexed by launch rank, not by the logical rank
+    the process group uses); a plan-less launch uses what was detected.
+    """
+    if os.environ.get("HETERO_VENDOR") and found.vendor:
+        return found.vendor
+    if planned:
+        return plan.devices[launch.rank].vendor
+    return found.vendor or CPU
+
+
+def _use_hetero_backend(vendor: str) -> None:
+    try:
+        import hetero.comm
+    except ImportError as err:
+        raise HeteroError(f"--distributed-backend hetero: {err}") from None
+    hetero.comm.set_vendor(vendor)
+
+
 _store: dist.Store | None = None
 
 
@@ -234,6 +258,8 @@ def initialize(
 
     if on_gpu:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    if backend == "hetero":
+        _use_hetero_backend(comm_vendor(plan, launch, found, planned=check_devices))
     logical_rank = plan.logical_rank(launch.rank)
     dist.init_process_group(
         backend=backend,
