@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench-emulated clean
+.PHONY: setup demo test bench-emulated bench-comm clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ test: $(STAMP)
 # Predictor accuracy, plan quality and NIC awareness measured on emulated clusters (root).
 bench-emulated: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/emulated_bench.py
+
+# The hetero backend: cross-vendor all-reduce vs flat gloo, pass-through vs native (root).
+bench-comm: $(STAMP)
+	$(PY) bench/comm_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

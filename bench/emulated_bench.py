@@ -197,10 +197,21 @@ class Bench:
             taken.append(baseline)
         for label, plan in self.alternatives(planner, taken, 1):
             self.compare("nic", label, cluster, plan, costs, like)
+        # Where the order decides which links data parallelism crosses: PP=2 x DP=2, each
+        # stage's replicas on the two IB nodes or on an IB and an Ethernet node.
+        uniform = Plan.uniform(tensor_parallel=1, pipeline_parallel=2, data_parallel=2, micro_batch_size=1,
+                               num_layers=self.spec.num_layers, global_batch_size=global_batch,
+                               devices=best.devices)
+        orders = [Plan.from_dict({**uniform.to_dict(), "rank_order": order}) for order in ([0, 2, 1, 3], [0, 1, 2, 3])]
+        ranked = sorted(orders, key=lambda p: predict(p, cluster, costs).iteration_time_s)
+        pp_aware, _ = self.compare("nic", "PP2xDP2, predictor's order", cluster, ranked[0], costs, like)
+        pp_other, _ = self.compare("nic", "PP2xDP2, other order", cluster, ranked[1], costs, like)
         self.results["nic"] = {"aware_tokens_per_s": aware["measured_tokens_per_s"],
                                "launch_order_tokens_per_s": launch["measured_tokens_per_s"],
                                "speedup": aware["measured_tokens_per_s"] / launch["measured_tokens_per_s"],
-                               "aware_rank_order": best.rank_order, "layout": aware["layout"]}
+                               "aware_rank_order": best.rank_order, "layout": aware["layout"],
+                               "pp_aware": pp_aware, "pp_other": pp_other,
+                               "pp_speedup": pp_aware["measured_tokens_per_s"] / pp_other["measured_tokens_per_s"]}
 
 
 def describe(plan: Plan) -> str:
@@ -253,7 +264,11 @@ def report(results: dict) -> str:
         lines += ["## NIC awareness (2 InfiniBand + 2 Ethernet nodes, listed interleaved)", "",
                   f"- planner's order {n['aware_rank_order']} ({n['layout']}): {n['aware_tokens_per_s']:.0f} tokens/s",
                   f"- same plan in launch order: {n['launch_order_tokens_per_s']:.0f} tokens/s",
-                  f"- NIC-aware / launch order: {n['speedup']:.2f}x", ""]
+                  f"- NIC-aware / launch order: {n['speedup']:.2f}x",
+                  f"- PP=2 x DP=2 in the predictor's order {n['pp_aware']['layout'].split('order ')[1]}: "
+                  f"{n['pp_aware']['measured_tokens_per_s']:.0f} tokens/s, in the other order "
+                  f"{n['pp_other']['layout'].split('order ')[1]}: {n['pp_other']['measured_tokens_per_s']:.0f} "
+                  f"tokens/s -> {n['pp_speedup']:.2f}x", ""]
     return "\n".join(lines)
 
 
