@@ -186,21 +186,9 @@ class LiveJob:
         raise AssertionError(f"no worker with RANK={launch_rank}")
 
     def _descendants(self) -> list[int]:
-        children: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-            children.setdefault(parent, []).append(int(entry.name))
-        found, frontier = [], [self.proc.pid]
-        while frontier:
-            frontier = [child for pid in frontier for child in children.get(pid, [])]
-            found += frontier
-        return found
+        from tools.emulator.cluster import descendants
+
+        return descendants([self.proc.pid])
 
     def kill_everything(self) -> None:
         """SIGKILL to the launcher and every worker: torchrun starts each worker in a session
