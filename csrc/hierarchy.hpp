@@ -57,19 +57,8 @@ class Hierarchy {
     auto chunk = [&](size_t i) { return flat.narrow(0, pieces[i].offset, pieces[i].length); };
     ChunkSteps steps;
     if (intra) {
-      steps.pre = [&](size_t i) {
-        Tensors v{chunk(i)};
-        c10d::ReduceOptions o;
-        o.reduceOp = op;
-        o.rootRank = 0;
-        return intra->reduce(v, o);
-      };
-      steps.post = [&](size_t i) {
-        Tensors v{chunk(i)};
-        c10d::BroadcastOptions o;
-        o.rootRank = 0;
-        return intra->broadcast(v, o);
-      };
+      steps.pre = [&](size_t i) { return reduceToLeader(intra, chunk(i), op); };
+      steps.post = [&](size_t i) { return broadcastInVendor(intra, chunk(i), 0); };
     }
     steps.bridge = [&](size_t i) {
       auto c = chunk(i);
@@ -97,26 +86,9 @@ class Hierarchy {
     auto chunk = [&](size_t i) { return flat.narrow(0, pieces[i].offset, pieces[i].length); };
     ChunkSteps steps;
     if (intra) {
-      steps.pre = [&](size_t i) {
-        Tensors v{chunk(i)};
-        c10d::ReduceOptions o;
-        o.reduceOp = op;
-        o.rootRank = 0;
-        return intra->reduce(v, o);
-      };
+      steps.pre = [&](size_t i) { return reduceToLeader(intra, chunk(i), op); };
     }
-    steps.bridge = [&](size_t i) {
-      auto c = chunk(i);
-      auto host = HostStager::toHost(c);
-      Tensors v{host};
-      c10d::ReduceOptions o;
-      o.reduceOp = op;
-      o.rootRank = rootVendor;
-      inner_.bridge->reduce(v, o)->wait();
-      if (rootsVendor) {
-        HostStager::upload(host, c);
-      }
-    };
+    steps.bridge = [&](size_t i) { bridgeReduce(chunk(i), op, rootVendor); };
     // The root's vendor leader holds the result; hand it to the root if that is another rank.
     if (intra && rootsVendor && root != layout_.leaderOf(rootVendor)) {
       if (layout_.isLeader()) {
@@ -145,17 +117,11 @@ class Hierarchy {
     std::vector<Piece> pieces;
     ChunkPipeline::split(pieces, 0, flat.numel(), elementsPerChunk(flat));
     auto chunk = [&](size_t i) { return flat.narrow(0, pieces[i].offset, pieces[i].length); };
-    auto intraBroadcast = [&](size_t i, int localRoot) {
-      Tensors v{chunk(i)};
-      c10d::BroadcastOptions o;
-      o.rootRank = localRoot;
-      return intra->broadcast(v, o);
-    };
     ChunkSteps steps;
     if (intra && rootsVendor) {  // root -> its vendor (the leader included)
-      steps.pre = [&](size_t i) { return intraBroadcast(i, layout_.localRank(root)); };
+      steps.pre = [&](size_t i) { return broadcastInVendor(intra, chunk(i), layout_.localRank(root)); };
     } else if (intra) {  // leader -> its vendor, after the bridge
-      steps.post = [&](size_t i) { return intraBroadcast(i, 0); };
+      steps.post = [&](size_t i) { return broadcastInVendor(intra, chunk(i), 0); };
     }
     steps.bridge = [&](size_t i) {
       auto c = chunk(i);
@@ -260,26 +226,9 @@ class Hierarchy {
     auto chunk = [&](size_t i) { return order.narrow(0, pieces[i].offset, pieces[i].length); };
     ChunkSteps steps;
     if (intra) {
-      steps.pre = [&](size_t i) {
-        Tensors v{chunk(i)};
-        c10d::ReduceOptions o;
-        o.reduceOp = op;
-        o.rootRank = 0;
-        return intra->reduce(v, o);
-      };
+      steps.pre = [&](size_t i) { return reduceToLeader(intra, chunk(i), op); };
     }
-    steps.bridge = [&](size_t i) {
-      auto c = chunk(i);
-      auto host = HostStager::toHost(c);
-      Tensors v{host};
-      c10d::ReduceOptions o;
-      o.reduceOp = op;
-      o.rootRank = pieces[i].owner;
-      inner_.bridge->reduce(v, o)->wait();
-      if (pieces[i].owner == me) {
-        HostStager::upload(host, c);
-      }
-    };
+    steps.bridge = [&](size_t i) { bridgeReduce(chunk(i), op, pieces[i].owner); };
     ChunkPipeline::run(pieces.size(), layout_.isLeader(), steps);
 
     const auto mine = order.narrow(0, layout_.firstSlot(me) * n, layout_.localSize() * n);
@@ -304,6 +253,39 @@ class Hierarchy {
   }
 
  private:
+  // One chunk's native step inside the vendor: reduce to the leader (vendor rank 0).
+  static WorkPtr reduceToLeader(const InnerBackends::Ptr& intra, const at::Tensor& chunk,
+                                const c10d::ReduceOp& op) {
+    Tensors v{chunk};
+    c10d::ReduceOptions o;
+    o.reduceOp = op;
+    o.rootRank = 0;
+    return intra->reduce(v, o);
+  }
+
+  // One chunk's native step inside the vendor: broadcast from vendor rank localRoot.
+  static WorkPtr broadcastInVendor(const InnerBackends::Ptr& intra, const at::Tensor& chunk,
+                                   int localRoot) {
+    Tensors v{chunk};
+    c10d::BroadcastOptions o;
+    o.rootRank = localRoot;
+    return intra->broadcast(v, o);
+  }
+
+  // One chunk over the bridge: staged to host, reduced to rootVendor's leader, and the
+  // result copied back into the chunk on that leader.
+  void bridgeReduce(const at::Tensor& chunk, const c10d::ReduceOp& op, int rootVendor) {
+    auto host = HostStager::toHost(chunk);
+    Tensors v{host};
+    c10d::ReduceOptions o;
+    o.reduceOp = op;
+    o.rootRank = rootVendor;
+    inner_.bridge->reduce(v, o)->wait();
+    if (rootVendor == layout_.myVendor()) {
+      HostStager::upload(host, chunk);
+    }
+  }
+
   int64_t elementsPerChunk(const at::Tensor& t) const {
     return std::max<int64_t>(1, chunkBytes_ / static_cast<int64_t>(t.element_size()));
   }
@@ -317,10 +299,7 @@ class Hierarchy {
     ChunkPipeline::split(pieces, 0, flat.numel(), elementsPerChunk(flat));
     ChunkSteps steps;
     steps.post = [&](size_t i) {
-      Tensors v{flat.narrow(0, pieces[i].offset, pieces[i].length)};
-      c10d::BroadcastOptions o;
-      o.rootRank = 0;
-      return intra->broadcast(v, o);
+      return broadcastInVendor(intra, flat.narrow(0, pieces[i].offset, pieces[i].length), 0);
     };
     ChunkPipeline::run(pieces.size(), false, steps);
   }

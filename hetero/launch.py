@@ -72,12 +72,17 @@ def node_commands(
     return commands
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def split_at_double_dash(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """(a command's own flags, what follows `--`: the flags it passes on to another)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    train_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, train_args = argv[:split], argv[split + 1 :]
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv, train_args = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(
         prog="python -m hetero.launch",
         description="Print (or run) the torchrun command of each node of a plan.",

@@ -17,7 +17,6 @@ that type's ranks. --tensor-parallel T groups consecutive ranks (one host) T by 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import HeteroError
+from hetero.launch import split_at_double_dash
+from hetero.plan import write_json_atomic
 from hetero.profiles import ComputeProfile, model_shape
 
 PROBE_LAYERS = (1, 3)
@@ -148,11 +149,7 @@ def _median_entries(entries: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    gpt_flags: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, gpt_flags = argv[:split], argv[split + 1:]
+    argv, gpt_flags = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(prog="python -m tools.profile_compute", description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output-dir", required=True, help="profile directory (hetero-plan --profiles)")
     parser.add_argument("--device-type", default=None,
@@ -191,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     device_type = _device_type(options.device_type)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     cases = [(tp, mbs) for tp in options.tensor_parallel for mbs in options.micro_batch_sizes]
-    results: list[tuple[str, dict]] = []
+    results: dict[str, dict[tuple[int, int], list[dict]]] = {}  # device type -> case -> ranks' entries
     for number, (tp, mbs) in enumerate(cases, 1):
         if world % tp:
             raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
@@ -201,32 +198,26 @@ def main(argv: list[str] | None = None) -> int:
         parallel_state.destroy_model_parallel()
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))
-        results += [(d, e) for d, e in gathered if e is not None]
+        for name, entry in gathered:
+            if entry is not None:
+                results.setdefault(name, {}).setdefault((tp, mbs), []).append(entry)
         if rank == 0:
-            mine = [e for d, e in results if d == device_type and e["micro_batch_size"] == mbs
-                    and e["tensor_parallel"] == tp]
-            merged = _median_entries(mine)
+            merged = _median_entries(results[device_type][(tp, mbs)])
             print(f"[profile {number}/{len(cases)}] tp {tp} mbs {mbs} on {device_type}: layer forward "
                   f"{merged['layer_forward_s'] * 1e3:.2f} ms, backward {merged['layer_backward_s'] * 1e3:.2f} ms, "
                   f"activations {merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
     per_param: list = [None] * world
     dist.all_gather_object(per_param, (device_type, optimizer_step_per_param(args, options.repeats)))
     if rank == 0:
-        out = Path(options.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         shape = model_shape(model_spec(args))
-        for name in sorted({d for d, _ in results}):
-            entries = [_median_entries([e for d, e in results if d == name and (e["tensor_parallel"], e["micro_batch_size"]) == case])
-                       for case in cases if any(d == name and (e["tensor_parallel"], e["micro_batch_size"]) == case for d, e in results)]
+        for name, by_case in sorted(results.items()):
             profile = {"kind": "compute", "device_type": name, "precision": precision, "model": shape,
-                       "entries": entries,
+                       "entries": [_median_entries(entries) for entries in by_case.values()],
                        "optimizer_step_s_per_param": statistics.median(t for d, t in per_param if d == name),
                        "measured_on": f"{world} concurrent rank(s), {time.strftime('%Y-%m-%d %H:%M')}"}
             ComputeProfile.model_validate(profile)
-            path = out / f"compute-{name}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(profile, indent=1))
-            tmp.replace(path)
+            path = Path(options.output_dir) / f"compute-{name}.json"
+            write_json_atomic(path, profile)
             print(f"wrote {path}", flush=True)
     dist.destroy_process_group()
     return 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import socket
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hetero.plan import write_json_atomic
 from hetero.profiles import LinkProfile
 
 
@@ -121,11 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = {"kind": "links", "links": links, "collectives": collectives,
                    "measured_on": f"{world} ranks on {len(names)} hosts, {time.strftime('%Y-%m-%d %H:%M')}"}
         LinkProfile.model_validate(profile)
-        out = Path(options.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "links.json"
-        path.with_suffix(".tmp").write_text(json.dumps(profile, indent=1))
-        path.with_suffix(".tmp").replace(path)
+        path = Path(options.output_dir) / "links.json"
+        write_json_atomic(path, profile)
         print(f"wrote {path}", flush=True)
     dist.destroy_process_group()
     return 0

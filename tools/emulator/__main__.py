@@ -16,6 +16,7 @@ import sys
 
 from hetero.cluster import Cluster
 from hetero.errors import HeteroError
+from hetero.launch import split_at_double_dash
 from hetero.plan import Plan
 from tools.emulator.cluster import EmulatedCluster, RankLayout
 
@@ -29,11 +30,7 @@ def _stop_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    job: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, job = argv[:split], argv[split + 1:]
+    argv, job = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(prog="python -m tools.emulator", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", required=True, help="cluster spec (YAML)")
     parser.add_argument("--plan", help="plan.json: which rank stands in for which device (default: "
