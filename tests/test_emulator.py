@@ -94,7 +94,10 @@ def test_a_job_runs_across_namespaces_and_everything_is_removed():
     cluster = Cluster.load(REPO / "examples" / "clusters" / "cpu_demo.yaml")
     script = ("import os, torch, torch.distributed as d\nd.init_process_group('gloo')\n"
               "t = torch.ones(4); d.all_reduce(t)\n"
-              "print('rank', d.get_rank(), os.environ['HETERO_EMULATED_HOST'], os.environ['HETERO_DEVICE'], t.sum().item())\n")
+              "line = f\"rank {d.get_rank()} {os.environ['HETERO_EMULATED_HOST']} {os.environ['HETERO_DEVICE']} {t.sum().item()}\\n\"\n"
+              # One write per line: under PYTHONUNBUFFERED print() writes each piece on its
+              # own, and pieces of ranks sharing the pipe interleave.
+              "os.write(1, line.encode())\n")
     emulated = EmulatedCluster(cluster, RankLayout.of_cluster(cluster), run_id=80000 + os.getpid() % 9000)
     with emulated:
         result = emulated.run(["-c", script], echo=False, timeout=120)
