@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import signal
 from typing import Sequence
 
 from hetero.errors import HeteroError
@@ -107,6 +108,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="always on: heterogeneous replicas weight gradients by tokens")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on the exit signal (any rank), finish the iteration, save and exit 0")
+    g.add_argument("--exit-signal", type=lambda name: signal.Signals[name], default=signal.SIGTERM,
+                   choices=[signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2],
+                   metavar="SIGNAL", help="the signal --exit-signal-handler acts on (default SIGTERM)")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -169,8 +169,11 @@ class _IntervalStats:
 class Trainer:
     """One rank's share of the job: its stage, its replica's micro-batches."""
 
-    def __init__(self, args, plan: Plan, ctx: RankContext, model, optimizer, scheduler):
+    def __init__(self, args, plan: Plan, ctx: RankContext, model, optimizer, scheduler,
+                 exit_requested: Callable[[], bool] | None = None):
         self.args, self.plan, self.ctx = args, plan, ctx
+        self.exit_requested = exit_requested  # --exit-signal-handler: agreed by all ranks
+        self.exited_on_signal = False
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.flops_per_iteration = model_spec(args).training_flops(plan.global_batch_size)
         self.num_micro_batches = plan.replicas[parallel_state.get_data_parallel_rank()].num_micro_batches
@@ -295,6 +298,13 @@ class Trainer:
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.save(iteration)
                 saved = True
+            if self.exit_requested is not None and self.exit_requested():
+                if args.save and not saved:
+                    self.save(iteration)
+                    saved = True
+                self.exited_on_signal = True
+                print_rank_0(f"exiting program after receiving {args.exit_signal.name}.")
+                break
             if args.exit_interval and iteration % args.exit_interval == 0:
                 if args.save and not saved:
                     self.save(iteration)
@@ -349,9 +359,11 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         timedelta(minutes=args.distributed_timeout_minutes),
         check_devices=plan_source is not None,
     )
-    watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args)).start()
+    watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
+                        exit_signal=args.exit_signal if args.exit_signal_handler else None).start()
     try:
-        _train(args, plan, plan_source, ctx, patches)
+        _train(args, plan, plan_source, ctx, patches,
+               watchdog.exit_requested if args.exit_signal_handler else None)
     except RuntimeError as err:  # gloo/NCCL errors; a lost peer ends the process in handle()
         if launch.world_size > 1:
             watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
@@ -370,7 +382,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: RankContext,
-           patches: list[str]) -> None:
+           patches: list[str], exit_requested: Callable[[], bool] | None) -> None:
     _print_setup(args, plan, plan_source, patches)
     set_random_seed(args.seed)
 
@@ -407,7 +419,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
         logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     train_ds, valid_ds, test_ds = data.build_datasets(args, tokenizer)
 
-    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler)
+    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler, exit_requested)
     start_iteration = 0
     if args.load:
         start_iteration, _ = load_checkpoint(args.load, model, optimizer, scheduler, args)
@@ -424,7 +436,8 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     print_rank_0(f"[after training is done] iterations: {iteration}")
     if args.save and not saved and iteration > start_iteration:
         trainer.save(iteration)
-    exited_early = args.exit_interval is not None and iteration < args.train_iters
+    exited_early = trainer.exited_on_signal or (
+        args.exit_interval is not None and iteration < args.train_iters)
     if not exited_early:
         if do_valid and iteration % args.eval_interval:
             losses = trainer.evaluate(valid_iterator)

@@ -1,11 +1,18 @@
-"""When a process of the job dies, every survivor says which one, where to resume, and stops.
+"""The job stops together: a lost process, launcher or signal ends every rank within seconds.
 
 Each rank records its host and pid in the rendezvous store and writes a heartbeat every
-second from a thread of its own. The same thread watches the ranks this one exchanges
-data with (its tensor-parallel group, pipeline neighbours and data-parallel neighbours):
-a neighbour whose process is gone (same host) or whose heartbeat stopped is a death. It
-also receives the launcher's SIGTERM (torchrun stops all workers once one failed), even
-while the main thread is stuck in a collective that will never finish.
+second from a thread of its own. The same thread watches:
+- the ranks this one exchanges data with (its tensor-parallel group, pipeline and
+  data-parallel neighbours): a neighbour whose process is gone (same host) or whose
+  heartbeat stopped (a frozen process, a dropped link) is lost. A frozen neighbour on this
+  host is killed, so that nothing of the job is left behind;
+- its launcher (torchrun's agent): a worker whose agent died is orphaned and stops;
+- the store itself: unreachable for longer than a heartbeat timeout, the job is gone;
+- signals. SIGTERM/SIGINT on any rank reach every rank through the store and stop the
+  job at once, the signal named. With --exit-signal-handler (Megatron-LM's flag) the
+  exit signal instead asks the training loop to finish its iteration, save and exit 0:
+  ``exit_requested()`` is Megatron's once-per-iteration agreement over all ranks.
+The thread acts even while the main thread is stuck in a collective that will never end.
 
 Then, once per process: find every lost rank, print which (launch rank, logical rank,
 host, pid) and the last complete checkpoint, and exit. The main thread takes the same
@@ -24,6 +31,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from hetero.plan import Plan
@@ -34,16 +42,26 @@ PEER_TIMEOUT_S = 10.0
 """A neighbour silent this long is taken for dead (its heartbeat is independent of how
 long collectives or checkpoints take)."""
 EXIT_CODE = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Watchdog:
     def __init__(self, store: dist.Store, launch_rank: int, plan: Plan,
-                 resume_hint: Callable[[], str] = lambda: ""):
+                 resume_hint: Callable[[], str] = lambda: "",
+                 exit_signal: signal.Signals | None = None):
+        """exit_signal: the signal that asks for save-and-exit (--exit-signal-handler);
+        None: every stop signal stops the job at once."""
         self.store = dist.PrefixStore("hetero/watchdog", store)
         self.launch_rank, self.plan = launch_rank, plan
         self.resume_hint = resume_hint
+        self.exit_signal = exit_signal
         self.host = socket.gethostname()
         self.neighbours = neighbours(plan, launch_rank)
+        # Only a worker of torchrun's agent has a launcher to lose; a bare `python
+        # pretrain_gpt.py` belongs to whatever shell started it.
+        self.launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self._exit_received = False
+        self._lost: dict[int, str] = {}  # launch rank -> how it was first found lost
         self._stop = threading.Event()
         self._handling = threading.Lock()
         self._wakeup: socket.socket | None = None
@@ -55,15 +73,25 @@ class Watchdog:
         self.store.set(f"done/{self.launch_rank}", "0")
         self._beat()
         if threading.current_thread() is threading.main_thread():
-            # SIGTERM reaches the watching thread through this socket even while the main
+            # Signals reach the watching thread through this socket even while the main
             # thread waits inside a collective; the Python-level handler does nothing.
             receive, send = socket.socketpair()
             send.setblocking(False)
             signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+            for signum in {*STOP_SIGNALS, *([self.exit_signal] if self.exit_signal else [])}:
+                signal.signal(signum, lambda signum, frame: None)
             self._wakeup, self._wakeup_send = receive, send
         threading.Thread(target=self._run, name="hetero-watchdog", daemon=True).start()
         return self
+
+    def exit_requested(self) -> bool:
+        """Whether any rank received the exit signal: the same answer on every rank (a
+        collective over the world, as Megatron-LM's signal handler), so all of them
+        finish the same iteration and save it together."""
+        flag = torch.tensor([int(self._exit_received)], dtype=torch.int32,
+                            device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def stop(self) -> None:
         self._stop.set()
@@ -85,29 +113,65 @@ class Watchdog:
         self.store.set(f"alive/{self.launch_rank}", repr(time.time()))
 
     def _run(self) -> None:
+        store_lost_since = None
         while not self._stop.is_set():
             if self._wakeup is not None:
                 ready, _, _ = select.select([self._wakeup], [], [], HEARTBEAT_S)
-                if ready and signal.SIGTERM in self._wakeup.recv(64):
-                    self.handle("the launcher sent SIGTERM", sigterm=True)
+                if ready:
+                    self._on_signals(self._wakeup.recv(64))
             else:
                 time.sleep(HEARTBEAT_S)
             if self._stop.is_set():
                 return
+            if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+                self._stop_alone(f"its launcher (torchrun agent, pid {self.launcher_pid}) is gone")
             try:
                 self._beat()
+                stopped_by = self._stop_requested_by()
                 lost = self._find_lost(self.neighbours)
-            except Exception:  # the store is gone: the launcher is tearing the job down
-                return
+                store_lost_since = None
+            except Exception:  # the store is unreachable: its host or launcher may be gone
+                store_lost_since = store_lost_since or time.monotonic()
+                if time.monotonic() - store_lost_since > PEER_TIMEOUT_S:
+                    self._stop_alone(f"the job's rendezvous store has been unreachable for "
+                                     f"{PEER_TIMEOUT_S:.0f} s (its launcher or host is gone)")
+                continue
+            if stopped_by:
+                self.handle(stopped_by, signum=signal.SIGTERM)
             if lost:
                 self.handle("a neighbour stopped answering")
 
+    def _on_signals(self, received: bytes) -> None:
+        for signum in map(signal.Signals, received):
+            if signum == self.exit_signal and not self._exit_received:
+                self._exit_received = True
+                error(self.launch_rank, f"received {signum.name}: the job saves after this "
+                                        "iteration and exits (--exit-signal-handler)")
+            elif signum in STOP_SIGNALS or signum == self.exit_signal:
+                cause = f"launch rank {self.launch_rank} ({self.host}, pid {os.getpid()}) received {signum.name}"
+                try:  # the first cause wins: the launcher's SIGTERM that follows is not news
+                    cause = self.store.compare_set("stop", "", cause).decode()
+                except Exception:
+                    pass
+                self.handle(cause, signum=signum)
+
+    def _stop_requested_by(self) -> str | None:
+        """The cause another rank published when a stop signal reached it."""
+        if not self.store.check(["stop"]):
+            return None
+        return self.store.get("stop").decode()
+
+    def _stop_alone(self, cause: str) -> None:
+        """Ends this process when the job's shared state cannot be read any more."""
+        error(self.launch_rank, f"stopping: {cause}.{self.resume_hint()}")
+        os._exit(EXIT_CODE)
+
     # ----- reporting (either thread) ------------------------------------------------------------
 
-    def handle(self, cause: str, sigterm: bool = False) -> None:
-        """Reports lost ranks and ends the process; returns only if none is lost (and this
-        was no SIGTERM), so that the caller can raise its own error. Whichever thread
-        comes first reports; the other waits for the exit."""
+    def handle(self, cause: str, signum: signal.Signals | None = None) -> None:
+        """Reports lost ranks and ends the process; returns only if none is lost (and no
+        signal stops the job), so that the caller can raise its own error. Whichever
+        thread comes first reports; the other waits for the exit."""
         if not self._handling.acquire(blocking=False):
             while True:
                 time.sleep(60)
@@ -118,9 +182,10 @@ class Watchdog:
                                     f"({cause}).{self.resume_hint()}")
             self._mark("stopped")  # our own exit is not news to the other survivors
             os._exit(EXIT_CODE)
-        if sigterm:
-            error(self.launch_rank, f"stopped by SIGTERM; no process of the job was lost.{self.resume_hint()}")
-            os._exit(128 + signal.SIGTERM)
+        if signum is not None:
+            error(self.launch_rank, f"stopped: {cause}; no process of the job was lost.{self.resume_hint()}")
+            self._mark("stopped")
+            os._exit(128 + signum)
         self._handling.release()
 
     def _settle(self, settle_s: float = 2.0) -> list[str]:
@@ -149,10 +214,14 @@ class Watchdog:
             host, pid = values[f"where/{r}"].decode().split()
             age = now - float(values[f"alive/{r}"].decode())
             gone = host == self.host and not _process_exists(int(pid))
-            if gone or age > PEER_TIMEOUT_S:
-                why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s"
+            if r in self._lost or gone or age > PEER_TIMEOUT_S:
+                if r not in self._lost:  # later looks may see only the aftermath (a kill)
+                    why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s"
+                    if not gone and host == self.host:
+                        why += _kill_frozen(int(pid))
+                    self._lost[r] = why
                 lost.append(f"launch rank {r} (logical rank {self.plan.logical_rank(r)}, host {host}, "
-                            f"pid {pid}): {why}")
+                            f"pid {pid}): {self._lost[r]}")
         return lost
 
 
@@ -169,6 +238,16 @@ def neighbours(plan: Plan, launch_rank: int) -> list[int]:
     for d in (me.dp_rank - 1, me.dp_rank + 1):
         logical.add(me.tp_rank + tp * (d % dp + dp * me.pp_rank))
     return sorted(plan.launch_rank(r) for r in logical if plan.launch_rank(r) != launch_rank)
+
+
+def _kill_frozen(pid: int) -> str:
+    """A process that lives but stopped beating (SIGSTOP, a hang holding the interpreter)
+    would outlive the job: its launcher's SIGTERM cannot reach a stopped process."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return ""
+    return " (frozen; killed)"
 
 
 def _process_exists(pid: int) -> bool:
