@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -123,3 +124,76 @@ def test_frozen_worker_stops_the_job_within_the_heartbeat_bound(tmp_path, uninte
     assert "(frozen; killed)" in job.output
     print(f"job stopped {stopped_after:.1f} s after the worker froze")
     _assert_resumes_the_same_training(tmp_path, uninterrupted)
+
+
+# ----- disk ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs of our own, so that it can be filled or made read-only."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(directory) -> None:
+    with open(directory / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * (1 << 20))
+                handle.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_why(tmp_path, small_disk, uninterrupted, fault):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(PLAN))
+    root = small_disk / "ckpt"
+    job = LiveJob(ARGS + ["--train-iters", "400", "--save", str(root), "--save-interval", "2",
+                          "--hetero-plan", str(plan_path)], nproc=4)
+    job.wait_for("successfully saved checkpoint from iteration       2")
+    workers = [job.worker_pid(rank) for rank in range(4)]
+    if fault == "full":
+        _fill(small_disk)
+    else:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    stopped_after = _seconds_until_gone(workers, bound=60)
+    assert job.finish(timeout=30) != 0
+    reason = "No space left on device" if fault == "full" else "Read-only file system"
+    reports = [line for line in job.lines if "saving the checkpoint of iteration 4" in line]
+    assert len(reports) == 4 and all(reason in line for line in reports), job.output[-3000:]
+    assert "the checkpoint of iteration 2 and latest_checkpointed_iteration.txt are untouched" in reports[0]
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    print(f"{fault}: stopped {stopped_after:.1f} s after the disk failed")
+    if fault == "full":
+        (small_disk / "filler").unlink()
+    else:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    resumed = run_pretrain(ARGS + ["--train-iters", "3", "--load", str(root)], timeout=300)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert abs(_losses(resumed.stdout)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]
+
+
+def test_a_truncated_checkpoint_is_named_at_load_and_an_older_one_loads(tmp_path, uninterrupted):
+    root = tmp_path / "ckpt"
+    saved = run_pretrain(ARGS + ["--train-iters", "4", "--save", str(root), "--save-interval", "2"],
+                         nproc=4, plan=PLAN, tmp_path=tmp_path)
+    assert saved.returncode == 0, saved.output[-3000:]
+    victim = max((root / "iter_0000004").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as handle:
+        handle.truncate(victim.stat().st_size // 2)
+    damaged = run_pretrain(ARGS + ["--train-iters", "5", "--load", str(root)], nproc=4, plan=PLAN,
+                           tmp_path=tmp_path, timeout=300)
+    assert damaged.returncode != 0  # torchrun exits 1 whatever its workers returned
+    assert f"checkpoint iteration 4 in {root} is damaged: {victim.name} has" in damaged.stderr
+    assert "load an older one with --ckpt-step N (complete: 2)" in damaged.stderr
+    older = run_pretrain(ARGS + ["--train-iters", "3", "--load", str(root), "--ckpt-step", "2"], timeout=300)
+    assert older.returncode == 0, older.output[-3000:]
+    assert abs(_losses(older.stdout)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]

@@ -159,6 +159,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="load weights only and start at iteration 0")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration from --load instead of the latest")
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:

@@ -9,10 +9,14 @@ checkpoint loads under any other plan: another stage split, other TP/PP/DP degre
 order or micro-batch split. That is what one needs after a node dies: re-plan on the
 survivors and continue.
 
-Atomic: every rank writes into iter_N.tmp; once all have finished, rank 0 renames it to
-iter_N and then replaces the tracker file. A crash at any point leaves the tracker naming
-a complete checkpoint; a leftover .tmp directory is never read and is removed by the next
-save.
+Atomic: every rank writes into iter_N.tmp; once all have finished, rank 0 writes the
+manifest (every file's size and checksum), renames the directory to iter_N and then
+replaces the tracker file. A crash at any point leaves the tracker naming a complete
+checkpoint; a leftover .tmp directory is never read and is removed by the next save. A
+save that fails on any rank (a full or read-only disk) fails on every rank with the
+reason, before anything is renamed. At --load the manifest is checked, so a truncated or
+corrupted file is named instead of failing deep inside torch; --ckpt-step N loads an
+older iteration.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
+from megatron.hetero.checkpoint_manifest import (
+    complete_iterations,
+    fsync_tree,
+    verify_manifest,
+    write_manifest,
+)
 from megatron.hetero.log import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -67,6 +77,17 @@ def latest_iteration(root: str | os.PathLike) -> int | None:
             "complete checkpoint; restore it or point --load at another directory"
         )
     return iteration
+
+
+def _iteration_to_load(root: str, ckpt_step: int | None) -> int | None:
+    """--ckpt-step N, or the tracker's iteration."""
+    if ckpt_step is None:
+        return latest_iteration(root)
+    if not (iteration_dir(root, ckpt_step) / "metadata.json").exists():
+        complete = complete_iterations(Path(root))
+        raise HeteroError(f"--ckpt-step {ckpt_step}: {iteration_dir(root, ckpt_step)} is not a complete "
+                          f"checkpoint; complete ones under {root}: {', '.join(map(str, complete)) or 'none'}")
+    return ckpt_step
 
 
 def _rng_state() -> dict:
@@ -118,18 +139,86 @@ def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool,
     return state
 
 
+def _failures_everywhere(failure: str | None, what: str) -> None:
+    """Every rank learns whether any rank failed (one collective), and all raise together,
+    naming the first failing rank; no rank is left waiting in the next collective."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    for rank, message in enumerate(failures):
+        if message:
+            raise HeteroError(f"{what} failed on rank {rank}: {message}")
+
+
+def _describe(err: BaseException, root: str | None = None) -> str:
+    text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}{_disk_state(root) if root else ''}"
+
+
+def _disk_state(root: str) -> str:
+    """What the disk says, since torch's writer reports a full disk as a zip-format error."""
+    path = Path(root)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return ""
+    if stats.f_flag & os.ST_RDONLY:
+        return f" [{path} is on a read-only file system]"
+    free = stats.f_bavail * stats.f_frsize
+    if free < 64 * 1024 * 1024:
+        return f" [No space left on device: {free / 2**20:.1f} MiB free at {path}]"
+    return ""
+
+
+def _prepare_staging(root: str, staging: Path) -> None:
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for stale in Path(root).glob("iter_*.tmp"):  # from a save that never finished
+        shutil.rmtree(stale, ignore_errors=True)
+    staging.mkdir()
+
+
+def _publish(root: str, iteration: int, staging: Path, final: Path, plan: Plan) -> None:
+    """Rank 0, once every rank's data is in staging: manifest, rename, then the tracker."""
+    write_json_atomic(staging / "hetero_plan.json", plan.to_dict())
+    write_manifest(staging)
+    fsync_tree(staging)
+    if final.exists():  # saving the same iteration again: the new one wins
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(Path(root))
+    tracker = Path(root) / TRACKER
+    tmp = tracker.with_name(f".{TRACKER}.tmp")
+    tmp.write_text(f"{iteration}\n")
+    with open(tmp) as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, tracker)
+    _fsync_dir(Path(root))
+
+
+def _rank_0_step(step, what: str, root: str | None = None) -> None:
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except Exception as err:
+            failure = _describe(err, root)
+    _failures_everywhere(failure, what)
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                     args: argparse.Namespace, plan: Plan) -> float:
-    """Writes iteration's checkpoint atomically; returns the seconds it took."""
+    """Writes iteration's checkpoint atomically; returns the seconds it took. A failure
+    on any rank is a HeteroError on every rank; the previous checkpoint stays current."""
     start = time.perf_counter()
     final, staging = iteration_dir(root, iteration), Path(f"{iteration_dir(root, iteration)}.tmp")
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format")
-    if dist.get_rank() == 0:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        for stale in Path(root).glob("iter_*.tmp"):  # from a save that never finished
-            shutil.rmtree(stale, ignore_errors=True)
-        staging.mkdir()
-    dist.barrier()
+    previous = latest_iteration(root) if Path(root).is_dir() else None
+    kept = (f"the checkpoint of iteration {previous} and {TRACKER} are untouched" if previous is not None
+            else "no earlier checkpoint exists")
+    what = f"saving the checkpoint of iteration {iteration} to {root} ({kept}; free space or fix " \
+           f"permissions there, or --save elsewhere)"
+    _rank_0_step(lambda: _prepare_staging(root, staging), what, root)
     sizes, _ = _layout()
     state = _state(model, optimizer, scheduler, loading=False, optimizer_state=True, rng=True, extra={
         "iteration": iteration,
@@ -137,22 +226,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         "hetero": {"model_shape": model_shape(args), "layout": list(sizes), "plan": plan.to_dict(),
                    "distributed_optimizer": bool(args.use_distributed_optimizer)},
     })
-    dist_checkpointing.save(state, str(staging))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_json_atomic(staging / "hetero_plan.json", plan.to_dict())
-        if final.exists():  # saving the same iteration again: the new one wins
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _fsync_dir(Path(root))
-        tracker = Path(root) / TRACKER
-        tmp = tracker.with_name(f".{TRACKER}.tmp")
-        tmp.write_text(f"{iteration}\n")
-        with open(tmp) as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, tracker)
-        _fsync_dir(Path(root))
-    dist.barrier()
+    try:
+        dist_checkpointing.save(state, str(staging))
+    except Exception as err:
+        # Not always raised on every rank (the coordinator writes some files alone, while
+        # the others wait in megatron-core's gather): the caller publishes it to the job.
+        raise HeteroError(f"{what} failed on rank {dist.get_rank()}: {_describe(err, root)}") from None
+    _rank_0_step(lambda: _publish(root, iteration, staging, final, plan), what, root)
     seconds = time.perf_counter() - start
     print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} "
                  f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ] ({seconds:.2f} s)")
@@ -174,12 +254,14 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     if never stopped. Under another layout (re-planned) the tensors are re-sharded; the
     per-rank RNG streams have no counterpart and are left as seeded.
     """
-    iteration = latest_iteration(root)
+    iteration = _iteration_to_load(root, args.ckpt_step)
     if iteration is None:
         print_rank_0(f"WARNING: no checkpoint in {root} ({TRACKER} not found); starting from scratch")
         return 0, 0.0
     start = time.perf_counter()
     directory = iteration_dir(root, iteration)
+    older = [i for i in complete_iterations(Path(root)) if i < iteration]
+    _rank_0_step(lambda: verify_manifest(directory, iteration, older), "checking the checkpoint")
     common = dist_checkpointing.load_common_state_dict(str(directory))
     saved = common.get("hetero", {})
     theirs, ours = saved.get("model_shape", {}), model_shape(args)

@@ -219,13 +219,18 @@ def wait_for_peers_to_fail(launch: Launch, timeout: timedelta = timedelta(second
     if launch.world_size == 1:
         return
     try:
+        announce_stopped(_rendezvous(timeout))
         failed = dist.PrefixStore("hetero/stopped", _rendezvous(timeout))
-        failed.add("count", 1)
         deadline = time.monotonic() + timeout.total_seconds()
         while failed.add("count", 0) < launch.world_size and time.monotonic() < deadline:
             time.sleep(0.05)
     except Exception:  # no store reachable: nothing to wait for
         pass
+
+
+def announce_stopped(store: dist.Store) -> None:
+    """Counts this rank among those that stopped on a reported error (see above)."""
+    dist.PrefixStore("hetero/stopped", store).add("count", 1)
 
 
 def initialize(

@@ -364,6 +364,10 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     try:
         _train(args, plan, plan_source, ctx, patches,
                watchdog.exit_requested if args.exit_signal_handler else None)
+    except HeteroError as err:  # reported here; ranks still waiting for this one stop too
+        watchdog.finish()
+        watchdog.publish_stop(str(err))
+        raise
     except RuntimeError as err:  # gloo/NCCL errors; a lost peer ends the process in handle()
         if launch.world_size > 1:
             watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")

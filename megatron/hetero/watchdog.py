@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.plan import Plan
+from megatron.hetero.distributed import announce_stopped
 from megatron.hetero.log import error
 
 HEARTBEAT_S = 1.0
@@ -51,6 +52,7 @@ class Watchdog:
                  exit_signal: signal.Signals | None = None):
         """exit_signal: the signal that asks for save-and-exit (--exit-signal-handler);
         None: every stop signal stops the job at once."""
+        self.job_store = store
         self.store = dist.PrefixStore("hetero/watchdog", store)
         self.launch_rank, self.plan = launch_rank, plan
         self.resume_hint = resume_hint
@@ -137,7 +139,7 @@ class Watchdog:
                                      f"{PEER_TIMEOUT_S:.0f} s (its launcher or host is gone)")
                 continue
             if stopped_by:
-                self.handle(stopped_by, signum=signal.SIGTERM)
+                self.handle(stopped_by)
             if lost:
                 self.handle("a neighbour stopped answering")
 
@@ -149,14 +151,19 @@ class Watchdog:
                                         "iteration and exits (--exit-signal-handler)")
             elif signum in STOP_SIGNALS or signum == self.exit_signal:
                 cause = f"launch rank {self.launch_rank} ({self.host}, pid {os.getpid()}) received {signum.name}"
-                try:  # the first cause wins: the launcher's SIGTERM that follows is not news
-                    cause = self.store.compare_set("stop", "", cause).decode()
-                except Exception:
-                    pass
-                self.handle(cause, signum=signum)
+                self.handle(self.publish_stop(cause), signum=signum)
+
+    def publish_stop(self, cause: str) -> str:
+        """Tells every rank why the job stops, so that ranks waiting in a collective for
+        this one stop too; the first cause published wins (the launcher's SIGTERM that
+        follows a failure is not news). Returns the cause that stands."""
+        try:
+            return self.store.compare_set("stop", "", cause).decode()
+        except Exception:
+            return cause
 
     def _stop_requested_by(self) -> str | None:
-        """The cause another rank published when a stop signal reached it."""
+        """The cause another rank published."""
         if not self.store.check(["stop"]):
             return None
         return self.store.get("stop").decode()
@@ -182,10 +189,19 @@ class Watchdog:
                                     f"({cause}).{self.resume_hint()}")
             self._mark("stopped")  # our own exit is not news to the other survivors
             os._exit(EXIT_CODE)
-        if signum is not None:
-            error(self.launch_rank, f"stopped: {cause}; no process of the job was lost.{self.resume_hint()}")
+        try:
+            published = self._stop_requested_by()
+        except Exception:
+            published = None
+        if signum is not None or published:
+            error(self.launch_rank, f"stopped: {published or cause}; no process of the job was lost."
+                                    f"{self.resume_hint()}")
             self._mark("stopped")
-            os._exit(128 + signum)
+            try:
+                announce_stopped(self.job_store)
+            except Exception:
+                pass
+            os._exit(128 + signum if signum is not None else EXIT_CODE)
         self._handling.release()
 
     def _settle(self, settle_s: float = 2.0) -> list[str]:
