@@ -69,3 +69,20 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
     result = run_pretrain(args, timeout=120)
     assert result.returncode == 2
     assert "[launch rank 0] error: --data-path" in result.stderr
+
+
+@pytest.mark.parametrize("split, eval_iters, seq_length, problem", [
+    ("969,30,1", "1", "32", "the test split gets documents [400, 400) of 400 (0 tokens)"),
+    ("1,999,0", "0", "32", "the train split gets documents [0, 0) of 400 (0 tokens)"),
+    ("98,2,0", "1", "4096", "the validation split gets documents [392, 400) of 400"),
+])
+def test_a_split_that_cannot_serve_its_samples_is_an_error_before_training(
+        tmp_path, indexed_dataset, split, eval_iters, seq_length, problem):
+    args = [a for a in GPT_MODEL + TRAINING if a != "--mock-data"] + [
+        "--data-path", str(indexed_dataset), "--split", split, "--eval-iters", eval_iters,
+        "--seq-length", seq_length, "--max-position-embeddings", seq_length,
+    ]
+    result = run_pretrain(args, timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert problem in result.stderr, result.stderr[-2000:]
+    assert "training ..." not in result.stdout

@@ -13,6 +13,7 @@ import os
 from types import SimpleNamespace
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -65,6 +66,46 @@ def check_data_paths(args: argparse.Namespace) -> None:
             f"--data-path: no .bin/.idx pair at {', '.join(missing)}; give the prefix of files "
             "written by Megatron's preprocess_data.py (PREFIX.bin and PREFIX.idx)"
         )
+    check_splits_can_serve(args)
+
+
+def check_splits_can_serve(args: argparse.Namespace) -> None:
+    """Every split the run reads holds at least one sample of every --data-path dataset.
+
+    megatron-core repeats a split's documents for as many epochs as the samples asked of
+    it need; a split of no tokens never gets there and its index builder loops forever.
+    The document ranges follow megatron-core's own rule (the split matrix's book-ends
+    times the number of documents, rounded).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    needed = num_samples_per_split(args)
+    sample_tokens = args.seq_length + 1
+    prefixes, _ = get_blend_from_list(args.data_path)
+    for prefix in prefixes:
+        index = IndexedDataset(prefix, mmap=True)
+        # A copy: the array views the index's memory map, which is closed with `index`.
+        lengths = np.array(index.sequence_lengths, dtype=np.int64)
+        del index
+        for name, bookends, samples in zip(("train", "validation", "test"), split_matrix, needed):
+            if bookends is None or samples == 0:
+                continue  # a split of share 0 is not built; the run skips what needs it
+            begin, end = (int(round(b * len(lengths))) for b in bookends)
+            tokens = int(lengths[begin:end].sum())
+            if tokens >= sample_tokens:
+                continue
+            raise HeteroError(
+                f"--data-path {prefix} with --split {args.split}: the {name} split gets documents "
+                f"[{begin}, {end}) of {len(lengths)} ({tokens} tokens), not one sample of --seq-length "
+                f"{args.seq_length} (+1) tokens, and the run needs {samples} samples from it; give that "
+                "split a larger share in --split, use a larger dataset"
+                + (", or --eval-iters 0" if name != "train" else ", or a shorter --seq-length")
+            )
 
 
 def num_samples_per_split(args: argparse.Namespace) -> list[int]:
