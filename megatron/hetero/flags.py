@@ -1,0 +1,363 @@
+"""Every flag of Megatron-LM's pretrain_gpt.py, and what Megatron-Hetero does with it.
+
+The facts (names, defaults, value kinds, groups) come from Megatron-LM's own parser at the
+pinned tag (megatron_lm_flags.json, written by tools/extract_megatron_flags.py). Each flag
+has exactly one status:
+
+- honoured: arguments.py defines it, with Megatron-LM's meaning and default;
+- no-op: accepted and reported once at start-up, where Megatron-LM ignores it too;
+- refused: parsed with Megatron-LM's value syntax, then rejected BY NAME with what the
+  feature is and what to do (flag_catalog.py holds the reasons).
+
+A refused flag given with Megatron-LM's default value asks for nothing Megatron-LM would do
+differently without it (``--context-parallel-size 1``), so it is accepted as a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import enum
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from hetero.errors import HeteroError
+from megatron.hetero import flag_catalog
+from megatron.hetero.flag_catalog import Conditional
+
+FACTS_FILE = Path(__file__).with_name("megatron_lm_flags.json")
+# Flags of ours that Megatron-LM does not have.
+HETERO_FLAGS = ("--hetero-plan", "--local_rank")
+_GIVEN = "megatron_flags_given"  # Namespace attribute the recording actions append to
+
+
+class Status(str, enum.Enum):
+    HONOURED = "honoured"
+    NOOP = "no-op"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class MegatronFlag:
+    """One argparse action of Megatron-LM's parser (all its option strings)."""
+
+    option_strings: tuple[str, ...]
+    dest: str
+    action: str
+    default: Any
+    nargs: Any
+    type: str | None
+    choices: tuple | None
+    group: str
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.option_strings[0]
+
+    @property
+    def takes_value(self) -> bool:
+        return self.action in ("store", "append")
+
+
+@dataclass(frozen=True)
+class Ruling:
+    """What Megatron-Hetero does with one Megatron-LM flag."""
+
+    flag: MegatronFlag
+    status: Status
+    reason: str = ""            # no-op: why it has no effect; refused: what it is, what to do
+    theme: str | None = None    # key of flag_catalog.THEMES for refused flags
+    conditional: Conditional | None = None  # refused flags that are no-ops under a condition
+
+    def message(self, option: str) -> str:
+        return f"{option}: {self.reason}"
+
+
+@functools.cache
+def megatron_flags() -> tuple[MegatronFlag, ...]:
+    document = json.loads(FACTS_FILE.read_text())
+    return tuple(
+        MegatronFlag(
+            option_strings=tuple(f["option_strings"]), dest=f["dest"], action=f["action"],
+            default=f["default"], nargs=f["nargs"], type=f["type"],
+            choices=tuple(f["choices"]) if f["choices"] is not None else None,
+            group=f["group"], source=f["source"],
+        )
+        for f in document["flags"]
+    )
+
+
+@functools.cache
+def megatron_tag() -> str:
+    return json.loads(FACTS_FILE.read_text())["megatron_lm_tag"]
+
+
+def defined_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Option strings the parser honours (not the recording actions this module adds)."""
+    return {s for a in parser._actions if not isinstance(a, _RecordFlag) for s in a.option_strings}
+
+
+def rulings(honoured: set[str]) -> dict[str, Ruling]:
+    """Each Megatron-LM flag's ruling, by its first option string; ``honoured`` are the
+    option strings arguments.py defines."""
+    check_registry(honoured)
+    flags = megatron_flags()
+    themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
+    branch_refused, branch_noops = flag_catalog.features_branch_reasons()
+    result = {}
+    for flag in flags:
+        name = flag.name
+        if honoured & set(flag.option_strings):
+            result[name] = Ruling(flag, Status.HONOURED)
+        elif name in flag_catalog.NOOPS or name in branch_noops:
+            result[name] = Ruling(flag, Status.NOOP, flag_catalog.NOOPS.get(name) or branch_noops[name])
+        elif name in flag_catalog.CONDITIONAL:
+            conditional = flag_catalog.CONDITIONAL[name]
+            theme = flag_catalog.THEMES[conditional.theme]
+            result[name] = Ruling(flag, Status.REFUSED, theme.reason(), conditional.theme, conditional)
+        elif name in branch_refused:
+            result[name] = Ruling(flag, Status.REFUSED, branch_refused[name], "features_branch")
+        else:
+            theme = themes[name]
+            reason = flag_catalog.REASONS.get(name) or flag_catalog.THEMES[theme].reason()
+            result[name] = Ruling(flag, Status.REFUSED, reason, theme)
+    return result
+
+
+def check_registry(honoured: set[str]) -> None:
+    """One status per flag: a flag both honoured and catalogued, or neither, is a bug."""
+    flags = megatron_flags()
+    branch_refused, branch_noops = flag_catalog.features_branch_reasons()
+    themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
+    catalogued = (set(themes) | set(flag_catalog.NOOPS) | set(flag_catalog.CONDITIONAL)
+                  | set(branch_refused) | set(branch_noops))
+    problems = []
+    if duplicates := flag_catalog.duplicate_entries():
+        problems.append(f"listed twice in flag_catalog.py: {', '.join(duplicates)}")
+    both = sorted(f.name for f in flags if honoured & set(f.option_strings) and f.name in catalogued)
+    if both:
+        problems.append(f"honoured by arguments.py AND listed in flag_catalog.py (delete the "
+                        f"catalog entry): {', '.join(both)}")
+    neither = sorted(f.name for f in flags
+                     if not honoured & set(f.option_strings) and f.name not in catalogued)
+    if neither:
+        problems.append(f"neither honoured nor in flag_catalog.py: {', '.join(neither)}")
+    unknown = sorted(catalogued - {f.name for f in flags})
+    if unknown:
+        problems.append(f"in flag_catalog.py but not a Megatron-LM flag: {', '.join(unknown)}")
+    if problems:
+        raise RuntimeError("flag registry is inconsistent: " + "; ".join(problems))
+
+
+class _RecordFlag(argparse.Action):
+    """Parses a non-honoured flag with Megatron-LM's syntax and records that it was given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, ruling: Ruling, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.ruling = ruling
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        kind = self.ruling.flag.action
+        if kind == "BooleanOptionalAction":
+            values = not option_string.startswith("--no-")
+        elif kind in ("store_true", "store_false", "store_const", "count"):
+            values = None  # never Megatron-LM's default: giving it changes the value
+        given = getattr(namespace, _GIVEN, None) or []
+        setattr(namespace, _GIVEN, given + [(option_string, self.ruling, values)])
+
+
+_TYPES = {"int": int, "float": float}
+
+
+def _value_syntax(flag: MegatronFlag) -> dict[str, Any]:
+    """argparse keywords that parse the flag's values as Megatron-LM does."""
+    if not flag.takes_value:
+        return {"nargs": 0}
+    kind = _TYPES.get(flag.type or "", str)
+    syntax: dict[str, Any] = {"type": kind, "metavar": flag.dest.upper()}
+    if flag.nargs is not None:
+        syntax["nargs"] = flag.nargs
+    if flag.choices is not None:
+        syntax["choices"] = list(flag.choices) if kind is not str else [str(c) for c in flag.choices]
+        del syntax["metavar"]
+    return syntax
+
+
+def _help(ruling: Ruling) -> str:
+    """The flag's status; the reason only where it differs from its group's."""
+    if ruling.status is Status.NOOP:
+        text = f"no-op: {ruling.reason}"
+    elif ruling.conditional is not None:
+        text = ruling.conditional.condition
+    elif ruling.reason == _group_heading(ruling.theme)[1]:
+        text = "refused"
+    else:
+        text = f"refused: {ruling.reason}"
+    return text.replace("%", "%%")
+
+
+def _group_key(ruling: Ruling) -> str:
+    return "noop" if ruling.status is Status.NOOP else ruling.theme
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> dict[str, Ruling]:
+    """Makes every Megatron-LM flag known to ``parser``: aliases of honoured flags join
+    their action; the rest parse with Megatron-LM's syntax into groups by status/theme."""
+    by_option = {s: a for a in parser._actions for s in a.option_strings}
+    for group in parser._action_groups:
+        if group.title not in ("positional arguments", "options") and not group.description:
+            group.description = f"honoured: Megatron-LM's meaning and default ({megatron_tag()})"
+    table = rulings(defined_options(parser))
+    used = {_group_key(r) for r in table.values() if r.status is not Status.HONOURED}
+    order = ["noop", *flag_catalog.THEMES, "features_branch"]
+    groups = {key: parser.add_argument_group(*_group_heading(key)) for key in order if key in used}
+    for ruling in table.values():
+        flag = ruling.flag
+        if ruling.status is Status.HONOURED:
+            action = next(by_option[s] for s in flag.option_strings if s in by_option)
+            for alias in flag.option_strings:
+                if alias not in by_option:  # Megatron-LM's second name for the same action
+                    action.option_strings.append(alias)
+                    parser._option_string_actions[alias] = action
+            continue
+        groups[_group_key(ruling)].add_argument(*flag.option_strings, action=_RecordFlag, ruling=ruling,
+                                 dest=_GIVEN, default=argparse.SUPPRESS, help=_help(ruling),
+                                 **_value_syntax(flag))
+    return table
+
+
+def _group_heading(key: str) -> tuple[str, str]:
+    if key == "noop":
+        return ("no-op (accepted; Megatron-LM ignores these too)",
+                "said once at start-up; they change nothing")
+    if key == "features_branch":
+        return ("refused: features of issue 10 not in this build", flag_catalog._FEATURES)
+    theme = flag_catalog.THEMES[key]
+    return (f"refused: {theme.title}", theme.reason())
+
+
+@dataclass
+class Verdict:
+    """The non-honoured flags one command line gave."""
+
+    refused: list[str]       # messages, each naming its flag
+    noops: list[str]         # messages for the start-up log
+    pending: list[tuple[str, Ruling]]  # conditional flags the plan decides
+
+
+def _is_megatron_default(ruling: Ruling, value: Any) -> bool:
+    default = ruling.flag.default
+    if value is None:
+        return False
+    if isinstance(value, list) and not isinstance(default, list):
+        return value == [default]
+    return value == default
+
+
+def judge(args: argparse.Namespace) -> Verdict:
+    """Takes the recorded non-honoured flags off ``args`` and rules on each."""
+    verdict = Verdict([], [], [])
+    seen = set()
+    for option, ruling, value in vars(args).pop(_GIVEN, []):
+        if option in seen:
+            continue
+        seen.add(option)
+        if ruling.status is Status.REFUSED and _is_megatron_default(ruling, value):
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            given = f"{option} {shown}" if ruling.flag.takes_value else option
+            verdict.noops.append(f"{given}: Megatron-LM's default value; no effect")
+        elif ruling.status is Status.NOOP:
+            verdict.noops.append(f"{option}: no-op, {ruling.reason}")
+        elif ruling.conditional is not None:
+            verdict.pending.append((option, ruling))
+        else:
+            verdict.refused.append(ruling.message(option))
+    settle(verdict, args)
+    return verdict
+
+
+def settle(verdict: Verdict, args: argparse.Namespace) -> None:
+    """Decides the conditional flags whose deciding values ``args`` now has."""
+    still = []
+    for option, ruling in verdict.pending:
+        noop = ruling.conditional.is_noop(args)
+        if noop is None:
+            still.append((option, ruling))
+        elif noop:
+            verdict.noops.append(f"{option}: no-op, {ruling.conditional.noop_reason}")
+        else:
+            verdict.refused.append(ruling.message(option))
+    verdict.pending = still
+
+
+def refusal_error(refused: list[str], unknown: list[str]) -> HeteroError:
+    """One error for everything a command line gave that cannot run, each flag named."""
+    if not refused:
+        return HeteroError(
+            "; ".join(unknown) + ". Megatron-Hetero takes the flags listed by "
+            "`pretrain_gpt.py --help` and docs/flags.md; remove or correct the flag.")
+    return HeteroError(
+        f"{len(refused + unknown)} flag(s) Megatron-Hetero cannot run:\n  "
+        + "\n  ".join(refused + unknown)
+        + "\n(`pretrain_gpt.py --help` and docs/flags.md list every Megatron-LM flag with its status)")
+
+
+# ---- "did you mean": only for a real typo ------------------------------------------------
+# Words that name different units or opposite features: a flag differing from another only
+# in one of these is another flag, never a typo of it.
+_UNITS = {"iter": "iters", "iters": "iters", "iterations": "iters", "sample": "samples",
+          "samples": "samples", "token": "tokens", "tokens": "tokens", "step": "steps",
+          "steps": "steps", "epoch": "epochs", "epochs": "epochs", "mins": "minutes",
+          "minutes": "minutes", "seconds": "seconds", "secs": "seconds", "gb": "gb", "mb": "mb"}
+_DISTINCT = [{"encoder", "decoder"}, {"min", "max"}, {"enable", "disable"}, {"first", "last"},
+             {"train", "valid"}, {"save", "load"}, {"fp8", "fp4"}, {"fp16", "bf16"},
+             {"start", "end"}, {"input", "output"}, {"lower", "upper"}]
+
+
+def _words(flag: str) -> list[str]:
+    return [w for w in re.split(r"[-_]+", flag.lower()) if w]
+
+
+def _typo_of(word: str, other: str) -> bool:
+    if _UNITS.get(word, word) != _UNITS.get(other, other) and (word in _UNITS or other in _UNITS):
+        return False
+    if {word, other} in _DISTINCT:
+        return False
+    return difflib.SequenceMatcher(None, word, other).ratio() >= 0.75
+
+
+def is_typo(given: str, known: str) -> bool:
+    """``given`` misspells ``known``: same words but one slightly misspelt, or the same
+    letters with other separators (``--hidden_size``, ``--hiddensize``)."""
+    a, b = _words(given), _words(known)
+    if "".join(a) == "".join(b):
+        return True
+    if len(a) != len(b):
+        return False
+    differing = [(x, y) for x, y in zip(a, b) if x != y]
+    return len(differing) == 1 and _typo_of(*differing[0])
+
+
+def suggest(given: str, known: Iterable[str]) -> str | None:
+    """The known flag ``given`` is a typo of, if exactly one is close."""
+    candidates = [k for k in known if is_typo(given, k)]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda k: difflib.SequenceMatcher(None, given, k).ratio())
+
+
+def unknown_flag_messages(unknown: Sequence[str], known: Iterable[str]) -> list[str]:
+    known = sorted(set(known))
+    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
+    lines = []
+    for flag in flags or list(unknown):
+        close = suggest(flag, known) if flag.startswith("--") else None
+        hint = f" (did you mean {close}?)" if close else ""
+        lines.append(f"unknown flag {flag}{hint}: not a flag of Megatron-LM's pretrain_gpt.py "
+                     f"({megatron_tag()}) nor of Megatron-Hetero")
+    return lines
