@@ -159,6 +159,25 @@ def test_all_refused_and_unknown_flags_are_reported_in_one_error():
     assert "selective" not in message  # the value was parsed as Megatron-LM parses it
 
 
+REFUSED_VALUES = [(a.option_strings[0], value) for a in PARSER._actions
+                  for value in getattr(a, "refused_values", {})]
+
+
+@pytest.mark.parametrize("option, value", REFUSED_VALUES)
+def test_megatron_values_of_honoured_flags_are_refused_by_name(option, value):
+    with pytest.raises(HeteroError, match=rf"\n  {option} {value}: \S.*\n"):
+        parse_args(BASE + [option, value])
+
+
+def test_refused_values_are_megatrons_and_not_ours():
+    megatron = {f.name: f.choices for f in flags.megatron_flags()}
+    assert {o for o, _ in REFUSED_VALUES} >= {"--ckpt-format", "--optimizer", "--tokenizer-type"}
+    for option, values in flag_catalog.REFUSED_VALUES.items():
+        action = PARSER._option_string_actions[option]
+        for value in values:  # stale once arguments.py runs the value: delete the entry
+            assert value in megatron[option] and value in action.refused_values, (option, value)
+
+
 def test_refused_flags_take_megatrons_value_syntax():
     with pytest.raises(SystemExit):  # argparse: invalid choice, as Megatron-LM says it
         parse_args(BASE + ["--fp8-format", "fp9"])

@@ -196,6 +196,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     verdict = flags.judge(args)
+    verdict.refused += flags.refused_values(parser, args)
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown_lines = flags.unknown_flag_messages(unknown, known) if unknown else []
     if verdict.refused or unknown_lines:

@@ -9,9 +9,8 @@ arguments.py defines it; every other flag is listed here exactly once:
   tensor-parallel size 1), refused elsewhere;
 - a theme of ``THEMES``: refused by name, with what the feature is and what to do.
 
-``_HONOURED_ON_OTHER_BRANCH`` holds the flags the features branch (issue 10, item 2) makes
-honoured: delete that block when it merges (flags.check_registry names any flag that is
-both honoured and listed here).
+The block marked "delete on merge" holds the flags the features branch (issue 10, item 2)
+makes honoured; flags.check_registry names any flag that is both honoured and listed here.
 """
 
 from __future__ import annotations
@@ -160,6 +159,28 @@ REASONS: dict[str, str] = {
                            "Megatron-Hetero builds megatron-core's GPTModel - remove it",
 }
 
+# Values of honoured flags that Megatron-LM accepts and Megatron-Hetero refuses, by name.
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "--transformer-impl": {
+        "inference_optimized": "inference-optimized layers belong to Megatron-LM's inference "
+                               "programs; use local or transformer_engine"},
+    "--position-embedding-type": {
+        "mrope": "multimodal RoPE belongs to Megatron-LM's vision-language models; use rope",
+        "relative": "relative (T5-style) position embeddings are not built yet; use rope or "
+                    "learned_absolute"},
+    "--optimizer": {
+        "muon": "the Muon optimizer is not supported yet; use adam or sgd",
+        "dist_muon": "the Muon optimizer is not supported yet; use adam or sgd"},
+    "--ckpt-format": {
+        value: "Megatron-Hetero writes and reads torch_dist checkpoints only; use "
+               "--ckpt-format torch_dist" for value in ("torch", "torch_dcp", "fsdp_dtensor")},
+    "--tokenizer-type": {
+        value: "a tokenizer of another Megatron-LM program (BERT, multimodal, SFT); Megatron-"
+               "Hetero pretrains GPT models" for value in (
+                   "BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
+                   "NullMultimodalTokenizer", "SFTTokenizer")},
+}
+
 # Accepted, no effect: Megatron-LM ignores these too (the reason says where it does).
 NOOPS: dict[str, str] = {
     "--use-mcore-models": "deprecated in Megatron-LM and ignored; megatron-core models are the "
@@ -177,6 +198,8 @@ NOOPS: dict[str, str] = {
     "--no-align-param-gather": "Megatron-LM turns aligned parameter all-gather off without the "
                                "interleaved pipeline schedule, which Megatron-Hetero does not run",
     "--replication-jump": "Megatron-LM ignores it without --replication (not supported)",
+    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM and without effect (fully "
+                                  "parallel save is its default)",
     "--disable-msc": "Megatron-Hetero never uses the multi-storage client, which is what this "
                      "flag asks",
 }
@@ -393,12 +416,16 @@ _OTHER_PROGRAM_FLAGS = (
     "--flash-decode", "--inference-rng-tracker", "--inference-fuse-tp-communication",
 )
 
+FEATURES_BRANCH_REASON = (
+    "implemented on the features branch of issue 10 (logging, schedules, checkpoint "
+    "pass-through, run control, model shape, MoE); not in this build yet - remove it")
+_HONOURED_ON_OTHER_BRANCH: dict[str, str] = {}
+
 # ---- honoured by the features branch (issue 10, item 2); delete on merge ----------------
-# Until that branch lands these are refused (or, where Megatron-LM ignores the flag, no-ops);
-# once it defines them in arguments.py, flags.check_registry fails until this block goes.
-_FEATURES = ("implemented on the features branch of issue 10 (logging, schedules, checkpoint "
-             "pass-through, run control, model shape, MoE); not in this build yet - remove it")
-_HONOURED_ON_OTHER_BRANCH: dict[str, str] = {flag: _FEATURES for flag in (
+# Until that branch lands these are refused. Once it defines them in arguments.py,
+# flags.check_registry names every flag still listed here; a flag it did not define after
+# all is named as "neither honoured nor in flag_catalog.py" and needs a theme above.
+_HONOURED_ON_OTHER_BRANCH.update({flag: FEATURES_BRANCH_REASON for flag in (
     "--tensorboard-dir", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
     "--log-memory-to-tensorboard", "--tensorboard-log-interval", "--timing-log-level",
     "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity",
@@ -412,13 +439,7 @@ _HONOURED_ON_OTHER_BRANCH: dict[str, str] = {flag: _FEATURES for flag in (
     "--rotary-interleaved", "--no-position-embedding", "--num-experts", "--moe-router-topk",
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size",
-)}
-# Megatron-LM ignores it (deprecated: fully parallel save is its default); the features
-# branch may define it too.
-_NOOPS_ON_OTHER_BRANCH: dict[str, str] = {
-    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM and without effect (fully parallel "
-                                  "save is the default)",
-}
+)})
 # ---- end of the features branch's block --------------------------------------------------
 
 
@@ -434,16 +455,16 @@ def theme_of_flags(group_of: dict[str, str]) -> dict[str, str]:
     return themes
 
 
-def features_branch_reasons() -> tuple[dict[str, str], dict[str, str]]:
-    """(refused, no-op) entries of the features branch's block."""
-    return dict(_HONOURED_ON_OTHER_BRANCH), dict(_NOOPS_ON_OTHER_BRANCH)
+def features_branch_reasons() -> dict[str, str]:
+    """The refused entries of the features branch's block."""
+    return dict(_HONOURED_ON_OTHER_BRANCH)
 
 
 def duplicate_entries() -> list[str]:
     """Flags listed more than once across themes, no-ops and the features block."""
     seen: dict[str, int] = {}
     lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS, CONDITIONAL,
-             _HONOURED_ON_OTHER_BRANCH, _NOOPS_ON_OTHER_BRANCH]
+             _HONOURED_ON_OTHER_BRANCH]
     for flags in lists:
         for flag in flags:
             seen[flag] = seen.get(flag, 0) + 1

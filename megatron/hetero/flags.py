@@ -108,14 +108,14 @@ def rulings(honoured: set[str]) -> dict[str, Ruling]:
     check_registry(honoured)
     flags = megatron_flags()
     themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
-    branch_refused, branch_noops = flag_catalog.features_branch_reasons()
+    branch_refused = flag_catalog.features_branch_reasons()
     result = {}
     for flag in flags:
         name = flag.name
         if honoured & set(flag.option_strings):
             result[name] = Ruling(flag, Status.HONOURED)
-        elif name in flag_catalog.NOOPS or name in branch_noops:
-            result[name] = Ruling(flag, Status.NOOP, flag_catalog.NOOPS.get(name) or branch_noops[name])
+        elif name in flag_catalog.NOOPS:
+            result[name] = Ruling(flag, Status.NOOP, flag_catalog.NOOPS[name])
         elif name in flag_catalog.CONDITIONAL:
             conditional = flag_catalog.CONDITIONAL[name]
             theme = flag_catalog.THEMES[conditional.theme]
@@ -132,10 +132,9 @@ def rulings(honoured: set[str]) -> dict[str, Ruling]:
 def check_registry(honoured: set[str]) -> None:
     """One status per flag: a flag both honoured and catalogued, or neither, is a bug."""
     flags = megatron_flags()
-    branch_refused, branch_noops = flag_catalog.features_branch_reasons()
     themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
     catalogued = (set(themes) | set(flag_catalog.NOOPS) | set(flag_catalog.CONDITIONAL)
-                  | set(branch_refused) | set(branch_noops))
+                  | set(flag_catalog.features_branch_reasons()))
     problems = []
     if duplicates := flag_catalog.duplicate_entries():
         problems.append(f"listed twice in flag_catalog.py: {', '.join(duplicates)}")
@@ -224,6 +223,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> dict[str, Ruling]:
                 if alias not in by_option:  # Megatron-LM's second name for the same action
                     action.option_strings.append(alias)
                     parser._option_string_actions[alias] = action
+            _accept_megatron_values(action, flag)
             continue
         groups[_group_key(ruling)].add_argument(*flag.option_strings, action=_RecordFlag, ruling=ruling,
                                  dest=_GIVEN, default=argparse.SUPPRESS, help=_help(ruling),
@@ -231,12 +231,42 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> dict[str, Ruling]:
     return table
 
 
+def _accept_megatron_values(action: argparse.Action, flag: MegatronFlag) -> None:
+    """An honoured flag parses every value Megatron-LM's does; the values we do not run are
+    refused by name after parsing (``judge``), not as an argparse "invalid choice"."""
+    if not action.choices or not flag.choices:
+        return
+    extra = [c for c in flag.choices if c not in action.choices]
+    if extra:
+        action.refused_values = {value: _value_reason(flag.name, value, action.choices)
+                                 for value in extra}
+        action.choices = [*action.choices, *extra]
+        note = f"(Megatron-LM's {', '.join(map(str, extra))}: refused)"
+        action.help = f"{action.help} {note}" if action.help else note
+
+
+def _value_reason(option: str, value: Any, ours: Sequence[Any]) -> str:
+    specific = flag_catalog.REFUSED_VALUES.get(option, {}).get(value)
+    return specific or f"not supported yet; use one of {', '.join(map(str, ours))}"
+
+
+def refused_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Honoured flags given a value Megatron-LM accepts and Megatron-Hetero does not run."""
+    messages = []
+    for action in parser._actions:
+        reasons = getattr(action, "refused_values", None)
+        value = getattr(args, action.dest, None)
+        if reasons and value in reasons:
+            messages.append(f"{action.option_strings[0]} {value}: {reasons[value]}")
+    return messages
+
+
 def _group_heading(key: str) -> tuple[str, str]:
     if key == "noop":
         return ("no-op (accepted; Megatron-LM ignores these too)",
                 "said once at start-up; they change nothing")
     if key == "features_branch":
-        return ("refused: features of issue 10 not in this build", flag_catalog._FEATURES)
+        return ("refused: features of issue 10 not in this build", flag_catalog.FEATURES_BRANCH_REASON)
     theme = flag_catalog.THEMES[key]
     return (f"refused: {theme.title}", theme.reason())
 
@@ -468,6 +498,10 @@ def markdown(parser: argparse.ArgumentParser) -> str:
             default = f"`{flag.default!r}`" if flag.takes_value else "switch, off"
             note = DEFAULT_DIFFERENCES.get(flag.name, "")
             lines.append(f"| {_code(flag.option_strings)} | {flag.group} | {default} | {note} |")
+    lines += ["", "Values Megatron-LM accepts for honoured flags that Megatron-Hetero refuses, by name:", ""]
+    for action in parser._actions:
+        for value, reason in getattr(action, "refused_values", {}).items():
+            lines.append(f"- `{action.option_strings[0]} {value}`: {reason}")
     lines += ["", "## No-ops", "", "Accepted and named once at start-up.", "",
               "| flag | why it has no effect |", "|---|---|"]
     for ruling in table.values():
