@@ -195,14 +195,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     one HeteroError; ``args.noop_flags`` lists the accepted no-ops for the start-up log."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    verdict = flags.judge(args)
-    verdict.refused += flags.refused_values(parser, args)
-    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-    unknown_lines = flags.unknown_flag_messages(unknown, known) if unknown else []
-    if verdict.refused or unknown_lines:
-        raise flags.refusal_error(verdict.refused, unknown_lines)
-    args.noop_flags = verdict.noops
-    args.flags_awaiting_plan = verdict  # settled by validate_args once the plan is applied
+    flags.judge(parser, args, unknown)
     return args
 
 
@@ -270,7 +263,7 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
-    _settle_flags_awaiting_plan(args)
+    flags.judge_after_plan(args)  # --sequence-parallel: a no-op only at tensor-parallel size 1
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "global_batch_size", "train_iters", "lr")
     if args.bf16 and args.fp16:
@@ -330,19 +323,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise HeteroError("--save-interval needs --save DIR (where to write the checkpoints)")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
-
-
-def _settle_flags_awaiting_plan(args: argparse.Namespace) -> None:
-    """Megatron-LM flags whose status depends on the plan's parallel sizes
-    (``--sequence-parallel`` is a no-op only at tensor-parallel size 1)."""
-    verdict = vars(args).pop("flags_awaiting_plan", None)
-    if verdict is None:
-        return
-    flags.settle(verdict, args)
-    verdict.refused += [ruling.message(option) for option, ruling in verdict.pending]
-    if verdict.refused:
-        raise flags.refusal_error(verdict.refused, [])
-    args.noop_flags = verdict.noops
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

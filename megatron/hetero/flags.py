@@ -280,6 +280,9 @@ class Verdict:
     pending: list[tuple[str, Ruling]]  # conditional flags the plan decides
 
 
+_PENDING = "flags_awaiting_plan"  # Namespace attribute while the plan's sizes are unknown
+
+
 def _is_megatron_default(ruling: Ruling, value: Any) -> bool:
     default = ruling.flag.default
     if value is None:
@@ -289,40 +292,65 @@ def _is_megatron_default(ruling: Ruling, value: Any) -> bool:
     return value == default
 
 
-def judge(args: argparse.Namespace) -> Verdict:
-    """Takes the recorded non-honoured flags off ``args`` and rules on each."""
+def _rule(given: list[tuple[str, Ruling, Any]]) -> Verdict:
     verdict = Verdict([], [], [])
     seen = set()
-    for option, ruling, value in vars(args).pop(_GIVEN, []):
+    for option, ruling, value in given:
         if option in seen:
             continue
         seen.add(option)
         if ruling.status is Status.REFUSED and _is_megatron_default(ruling, value):
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
-            given = f"{option} {shown}" if ruling.flag.takes_value else option
-            verdict.noops.append(f"{given}: Megatron-LM's default value; no effect")
+            named = f"{option} {shown}" if ruling.flag.takes_value else option
+            verdict.noops.append(f"{named}: Megatron-LM's default value; no effect")
         elif ruling.status is Status.NOOP:
             verdict.noops.append(f"{option}: no-op, {ruling.reason}")
         elif ruling.conditional is not None:
             verdict.pending.append((option, ruling))
         else:
             verdict.refused.append(ruling.message(option))
-    settle(verdict, args)
     return verdict
 
 
-def settle(verdict: Verdict, args: argparse.Namespace) -> None:
-    """Decides the conditional flags whose deciding values ``args`` now has."""
+def _settle(verdict: Verdict, args: argparse.Namespace, final: bool) -> None:
+    """Decides the conditional flags whose deciding values ``args`` now has (all of them
+    when ``final``: an undecidable one is refused)."""
     still = []
     for option, ruling in verdict.pending:
         noop = ruling.conditional.is_noop(args)
-        if noop is None:
-            still.append((option, ruling))
-        elif noop:
+        if noop:
             verdict.noops.append(f"{option}: no-op, {ruling.conditional.noop_reason}")
+        elif noop is None and not final:
+            still.append((option, ruling))
         else:
             verdict.refused.append(ruling.message(option))
     verdict.pending = still
+
+
+def judge(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: Sequence[str]) -> None:
+    """Rules on the flags ``parser.parse_known_args`` left: raises one HeteroError naming
+    every refused and unknown flag; else sets ``args.noop_flags`` for the start-up log."""
+    verdict = _rule(vars(args).pop(_GIVEN, []))
+    _settle(verdict, args, final=False)
+    verdict.refused += refused_values(parser, args)
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    unknown_lines = unknown_flag_messages(unknown, known) if unknown else []
+    if verdict.refused or unknown_lines:
+        raise refusal_error(verdict.refused, unknown_lines)
+    args.noop_flags = verdict.noops
+    if verdict.pending:
+        setattr(args, _PENDING, verdict)
+
+
+def judge_after_plan(args: argparse.Namespace) -> None:
+    """Rules on the flags whose status depends on the parallel sizes the plan filled in."""
+    verdict = vars(args).pop(_PENDING, None)
+    if verdict is None:
+        return
+    _settle(verdict, args, final=True)
+    if verdict.refused:
+        raise refusal_error(verdict.refused, [])
+    args.noop_flags = verdict.noops
 
 
 def refusal_error(refused: list[str], unknown: list[str]) -> HeteroError:
