@@ -17,6 +17,7 @@ installed; those are read from megatron/post_training/arguments.py and marked as
 from __future__ import annotations
 
 import argparse
+import ast
 import enum
 import importlib
 import json
@@ -161,12 +162,28 @@ def _modelopt_parser(checkout: Path) -> argparse.ArgumentParser | None:
     return parser
 
 
+def program_defaults(program: Path) -> dict[str, Any]:
+    """The ``args_defaults`` a program passes to Megatron-LM's ``pretrain()`` (they replace
+    the parser's default when the flag is not given), read from its syntax tree."""
+    for node in ast.walk(ast.parse(program.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "pretrain":
+            for keyword in node.keywords:
+                if keyword.arg == "args_defaults":
+                    return ast.literal_eval(keyword.value)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("checkout", type=Path, help="a Megatron-LM source tree (git archive of the tag)")
     cli.add_argument("--tag", required=True, help="the tag the checkout is, recorded in the output")
     options = cli.parse_args(argv)
     facts = flag_facts(_megatron_parser(options.checkout), "megatron.training.arguments")
+    for dest, default in program_defaults(options.checkout / "pretrain_gpt.py").items():
+        for fact in facts:
+            if fact["dest"] == dest:
+                fact["default"] = _json_value(default)
+                fact["source"] += " (default from pretrain_gpt.py's args_defaults)"
     modelopt = _modelopt_parser(options.checkout)
     if modelopt is not None:
         known = {s for f in facts for s in f["option_strings"]}

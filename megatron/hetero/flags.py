@@ -429,6 +429,8 @@ DEFAULT_DIFFERENCES: dict[str, str] = {
                           "default), else local",
     "--distributed-backend": "none given: nccl on GPUs (Megatron-LM's default), gloo on the CPU",
     "--local-rank": "none given: the LOCAL_RANK environment variable, as torchrun sets it",
+    "--tokenizer-type": "none given: an error asking for one (Megatron-LM's pretrain_gpt.py "
+                        "defaults to GPT2BPETokenizer)",
     "--eval-interval": "1000 (Megatron-LM core_v0.16.1 has no default and fails without it "
                        "when training by iterations; 1000 was its earlier default)",
 }
