@@ -231,6 +231,7 @@ def test_megatrons_second_name_of_an_honoured_flag_is_honoured():
     ("--hiddensize", "--hidden-size"), ("--train-iter", "--train-iters"),
     ("--ckpt-formatt", "--ckpt-format"), ("--lr-warmup-sample", "--lr-warmup-samples"),
     ("--micro-bach-size", "--micro-batch-size"),
+    ("--tensor-parallel-size", "--tensor-model-parallel-size"),
 ])
 def test_a_typo_suggests_the_flag(typo, meant):
     with pytest.raises(HeteroError, match=rf"unknown flag {typo} \(did you mean {meant}\?\)"):
@@ -239,7 +240,8 @@ def test_a_typo_suggests_the_flag(typo, meant):
 
 @pytest.mark.parametrize("given", ["--lr-warmup-tokens", "--train-tokens", "--lr-decay-steps",
                                    "--fp16-format", "--decoder-hidden-size", "--max-lr",
-                                   "--exit-duration-in-seconds", "--tensorboard"])
+                                   "--exit-duration-in-seconds", "--load-optim",
+                                   "--lr-warmup", "--first-pipeline-num-layers"])
 def test_another_unit_or_feature_is_never_suggested(given):
     with pytest.raises(HeteroError) as err:
         parse_args(BASE + [given, "1"])
@@ -260,6 +262,8 @@ def test_typo_rule():
     assert not flags.is_typo("--fp8-format", "--ckpt-format")
     assert not flags.is_typo("--encoder-num-layers", "--decoder-num-layers")
     assert not flags.is_typo("--min-lr", "--max-lr")
+    assert not flags.is_typo("--load-optim", "--no-load-optim")  # the opposite
+    assert flags.is_typo("--tensor-parallel-size", "--tensor-model-parallel-size")
 
 
 # ---- --help and docs/flags.md ----------------------------------------------------------

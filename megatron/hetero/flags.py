@@ -377,6 +377,10 @@ _DISTINCT = [{"encoder", "decoder"}, {"min", "max"}, {"enable", "disable"}, {"fi
              {"start", "end"}, {"input", "output"}, {"lower", "upper"}]
 
 
+# Words a user may leave out or add without meaning another flag (--tensor-parallel-size).
+_FILLER = {"model", "num", "size", "dir", "path", "file"}
+
+
 def _words(flag: str) -> list[str]:
     return [w for w in re.split(r"[-_]+", flag.lower()) if w]
 
@@ -390,11 +394,16 @@ def _typo_of(word: str, other: str) -> bool:
 
 
 def is_typo(given: str, known: str) -> bool:
-    """``given`` misspells ``known``: same words but one slightly misspelt, or the same
-    letters with other separators (``--hidden_size``, ``--hiddensize``)."""
+    """``given`` misspells ``known``: same words but one slightly misspelt, the same letters
+    with other separators (``--hidden_size``, ``--hiddensize``), or one filler word missing
+    or added (``--tensor-parallel-size``)."""
     a, b = _words(given), _words(known)
     if "".join(a) == "".join(b):
         return True
+    if abs(len(a) - len(b)) == 1:
+        short, long = sorted((a, b), key=len)
+        return any(long[:i] + long[i + 1:] == short and long[i] in _FILLER
+                   for i in range(len(long)))
     if len(a) != len(b):
         return False
     differing = [(x, y) for x, y in zip(a, b) if x != y]
