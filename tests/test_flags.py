@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import GPT_MODEL, REPO, TRAINING, make_plan
+from conftest import GPT_MODEL, REPO, TRAINING, make_plan, run_pretrain
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from megatron.hetero import flag_catalog, flags
@@ -297,3 +297,14 @@ def test_flags_of_the_namespace_are_megatrons_dests_only():
     args = parse_args(BASE + ["--use-mcore-models"])
     assert not hasattr(args, flags._GIVEN)
     assert isinstance(args, argparse.Namespace) and not hasattr(args, "fp8_format")
+
+
+def test_a_real_launch_names_every_refused_flag_and_stops():
+    result = run_pretrain(BASE + ["--use-mcore-models", "--fp8-format", "hybrid",
+                                  "--overlap-grad-reduce", "--tensor-model-parallel-size", "1",
+                                  "--sequence-parallel"], timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "[launch rank 0] error: 2 flag(s) Megatron-Hetero cannot run:" in result.stderr
+    assert "  --fp8-format: FP8/FP4 training needs transformer-engine" in result.stderr
+    assert "  --overlap-grad-reduce: overlaps or buckets" in result.stderr
+    assert "--sequence-parallel" not in result.stderr and "Traceback" not in result.output
