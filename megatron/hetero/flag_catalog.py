@@ -198,8 +198,6 @@ NOOPS: dict[str, str] = {
     "--no-align-param-gather": "Megatron-LM turns aligned parameter all-gather off without the "
                                "interleaved pipeline schedule, which Megatron-Hetero does not run",
     "--replication-jump": "Megatron-LM ignores it without --replication (not supported)",
-    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM and without effect (fully "
-                                  "parallel save is its default)",
     "--disable-msc": "Megatron-Hetero never uses the multi-storage client, which is what this "
                      "flag asks",
 }
@@ -326,7 +324,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--no-pin-cpu-grads", "--no-pin-cpu-params", "--dump-param-to-param-group-map",
         "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
         "--exp-avg-dtype", "--exp-avg-sq-dtype", "--apply-wd-to-qk-layernorm",
-        "--no-weight-decay-cond-type", "--lr-wsd-decay-samples",
+        "--no-weight-decay-cond-type", 
     ),
     "checkpoint_variants": (
         "--save-wgrads-interval", "--save-dgrads-interval", "--save-retain-interval",
@@ -336,8 +334,8 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--pretrained-checkpoint", "--ckpt-step", "--use-checkpoint-args",
         "--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
         "--exit-on-missing-checkpoint", "--ckpt-convert-format", "--ckpt-convert-save",
-        "--ckpt-convert-update-legacy-dist-opt-format", "--no-ckpt-fully-parallel-save",
-        "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure",
+        "--ckpt-convert-update-legacy-dist-opt-format", 
+        "--ckpt-assume-constant-structure",
         "--dist-ckpt-save-pre-mcore-014", "--distrib-optim-fully-reshardable-mem-efficient",
         "--replication", "--replication-factor", "--no-save-optim", "--no-save-rng",
         "--override-opt_param-scheduler",
@@ -361,10 +359,10 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--tokenizer-hf-include-special-tokens", "--trust-remote-code",
     ),
     "logging_variants": (
-        "--log-progress", "--timing-log-option", "--tensorboard-queue-size",
-        "--no-log-loss-scale-to-tensorboard", "--log-memory-interval",
+        "--log-progress", "--timing-log-option", 
+        "--log-memory-interval",
         "--log-device-memory-used", "--no-barrier-with-level-1-timing",
-        "--log-world-size-to-tensorboard", "--logging-level", "--log-energy",
+        "--logging-level", "--log-energy",
         "--config-logger-dir",
     ),
     "profiling": (
@@ -420,6 +418,7 @@ FEATURES_BRANCH_REASON = (
     "implemented on the features branch of issue 10 (logging, schedules, checkpoint "
     "pass-through, run control, model shape, MoE); not in this build yet - remove it")
 _HONOURED_ON_OTHER_BRANCH: dict[str, str] = {}
+_NOOPS_ON_OTHER_BRANCH: dict[str, str] = {}
 
 # ---- honoured by the features branch (issue 10, item 2); delete on merge ----------------
 # Until that branch lands these are refused. Once it defines them in arguments.py,
@@ -439,7 +438,13 @@ _HONOURED_ON_OTHER_BRANCH.update({flag: FEATURES_BRANCH_REASON for flag in (
     "--rotary-interleaved", "--no-position-embedding", "--num-experts", "--moe-router-topk",
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size",
+    "--lr-wsd-decay-samples", "--log-world-size-to-tensorboard",
+    "--no-log-loss-scale-to-tensorboard", "--tensorboard-queue-size",
+    "--use-persistent-ckpt-worker", "--no-ckpt-fully-parallel-save",
 )})
+# Megatron-LM ignores it (deprecated: fully parallel save is its default).
+_NOOPS_ON_OTHER_BRANCH["--ckpt-fully-parallel-save"] = (
+    "deprecated in Megatron-LM and without effect (fully parallel save is its default)")
 # ---- end of the features branch's block --------------------------------------------------
 
 
@@ -460,11 +465,16 @@ def features_branch_reasons() -> dict[str, str]:
     return dict(_HONOURED_ON_OTHER_BRANCH)
 
 
+def noops() -> dict[str, str]:
+    """Every no-op flag and why it has no effect."""
+    return {**NOOPS, **_NOOPS_ON_OTHER_BRANCH}
+
+
 def duplicate_entries() -> list[str]:
     """Flags listed more than once across themes, no-ops and the features block."""
     seen: dict[str, int] = {}
     lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS, CONDITIONAL,
-             _HONOURED_ON_OTHER_BRANCH]
+             _HONOURED_ON_OTHER_BRANCH, _NOOPS_ON_OTHER_BRANCH]
     for flags in lists:
         for flag in flags:
             seen[flag] = seen.get(flag, 0) + 1

@@ -105,17 +105,23 @@ def defined_options(parser: argparse.ArgumentParser) -> set[str]:
 def rulings(honoured: set[str]) -> dict[str, Ruling]:
     """Each Megatron-LM flag's ruling, by its first option string; ``honoured`` are the
     option strings arguments.py defines."""
+    return dict(_rulings(frozenset(honoured)))
+
+
+@functools.cache  # every parse_args builds a parser; the registry is the same each time
+def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
     check_registry(honoured)
     flags = megatron_flags()
     themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
     branch_refused = flag_catalog.features_branch_reasons()
+    noops = flag_catalog.noops()
     result = {}
     for flag in flags:
         name = flag.name
         if honoured & set(flag.option_strings):
             result[name] = Ruling(flag, Status.HONOURED)
-        elif name in flag_catalog.NOOPS:
-            result[name] = Ruling(flag, Status.NOOP, flag_catalog.NOOPS[name])
+        elif name in noops:
+            result[name] = Ruling(flag, Status.NOOP, noops[name])
         elif name in flag_catalog.CONDITIONAL:
             conditional = flag_catalog.CONDITIONAL[name]
             theme = flag_catalog.THEMES[conditional.theme]
@@ -132,13 +138,14 @@ def rulings(honoured: set[str]) -> dict[str, Ruling]:
 def check_registry(honoured: set[str]) -> None:
     """One status per flag: a flag both honoured and catalogued, or neither, is a bug."""
     flags = megatron_flags()
-    themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
-    catalogued = (set(themes) | set(flag_catalog.NOOPS) | set(flag_catalog.CONDITIONAL)
-                  | set(flag_catalog.features_branch_reasons()))
+    listed = (set(flag_catalog.theme_of_flags({})) | set(flag_catalog.noops())
+              | set(flag_catalog.CONDITIONAL) | set(flag_catalog.features_branch_reasons()))
+    # Flags of other programs' groups are refused whole, unless arguments.py honours one.
+    catalogued = listed | set(flag_catalog.theme_of_flags({f.name: f.group for f in flags}))
     problems = []
     if duplicates := flag_catalog.duplicate_entries():
         problems.append(f"listed twice in flag_catalog.py: {', '.join(duplicates)}")
-    both = sorted(f.name for f in flags if honoured & set(f.option_strings) and f.name in catalogued)
+    both = sorted(f.name for f in flags if honoured & set(f.option_strings) and f.name in listed)
     if both:
         problems.append(f"honoured by arguments.py AND listed in flag_catalog.py (delete the "
                         f"catalog entry): {', '.join(both)}")
