@@ -121,9 +121,12 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _import_stubbing_missing(name: str) -> Any:
-    """Imports a module; an optional third-party package that is not installed here (a
-    GPU-only or tokenizer package imported at module level) is replaced by a stub. Flags
-    are defined by argparse calls, which no stub can change."""
+    """Imports a module; an optional third-party package that is not installed here and
+    that megatron.training imports at module level (six, regex, triton on a CPU machine) is
+    replaced by a stub. None of them decides which flags exist: the one conditional group,
+    kitchen quantization's two flags, needs megatron-core's kitchen extension, which the
+    public megatron-core 0.16.1 ships as a stub (HAVE_KITCHEN = False), so Megatron-LM never
+    defines them either."""
     finder = _StubFinder()
     sys.meta_path.append(finder)
     while True:

@@ -3,11 +3,14 @@
 A flag of Megatron-LM's pretrain_gpt.py (megatron_lm_flags.json) is honoured when
 arguments.py defines it; every other flag is listed here exactly once:
 
-- ``NOOPS``: accepted, no effect, because Megatron-LM itself ignores it (deprecated, read
-  nowhere, or overridden by its validate_args in every run we can make);
+- ``NOOPS`` (and ``noops()``): accepted, no effect, because Megatron-LM itself ignores it
+  (deprecated, read nowhere, or overridden by its validate_args in every run we can make);
 - ``CONDITIONAL``: a no-op where Megatron-LM treats it as one (``--sequence-parallel`` at
   tensor-parallel size 1), refused elsewhere;
-- a theme of ``THEMES``: refused by name, with what the feature is and what to do.
+- a theme of ``THEMES``: refused by name, with what the feature is and what to do
+  (``REASONS`` where one flag needs its own words).
+
+``REFUSED_VALUES`` lists values of honoured flags that Megatron-LM accepts and we refuse.
 
 The block marked "delete on merge" holds the flags the features branch (issue 10, item 2)
 makes honoured; flags.check_registry names any flag that is both honoured and listed here.
