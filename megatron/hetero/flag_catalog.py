@@ -94,8 +94,9 @@ THEMES: dict[str, Theme] = {
         "bias, RoPE-scaling, initialisation or multi-token-prediction variant)"),
     "optimizer_variants": Theme(
         "optimizer and precision variants",
-        "an optimizer variant (Muon, CPU offload, precision-aware optimizer state, special "
-        "weight-decay rules) Megatron-Hetero does not build yet"),
+        "an optimizer or precision variant (Muon, CPU offload, precision-aware optimizer "
+        "state, fp16 cross-entropy, special weight-decay rules) Megatron-Hetero does not "
+        "build yet"),
     "checkpoint_variants": Theme(
         "checkpoint variants",
         "a checkpointing mode beyond Megatron-Hetero's torch_dist save/load (non-persistent or "
@@ -115,7 +116,8 @@ THEMES: dict[str, Theme] = {
                        "not supported yet - remove it; profile with tools/profile_compute.py"),
     "run_control": Theme(
         "run control", "a run-control option (signals, skipped iterations, batch-size "
-        "adjustment, gloo groups, test modes) Megatron-Hetero does not implement"),
+        "adjustment, process-group set-up, NaN and gradient checks, test modes) "
+        "Megatron-Hetero does not implement"),
     "resilience": Theme(
         "fault tolerance and resilience",
         "needs NVIDIA's resilience packages (straggler detector, nvidia-resiliency-ext fault "
@@ -250,7 +252,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--num-layers-at-end-in-bf16", "--fp4-format", "--fp4-recipe", "--fp4-param-gather",
         "--fp4-quantizer-factory", "--te-precision-config-file", "--keep-fp8-transpose-cache",
         "--reuse-grad-buf-for-mxfp8-param-ag", "--moe-router-padding-for-fp8",
-        "--moe-router-padding-for-quantization", "--fp16-lm-cross-entropy",
+        "--moe-router-padding-for-quantization",
     ),
     "gpu_runtime": (
         "--enable-cuda-graph", "--external-cuda-graph", "--cuda-graph-impl",
@@ -259,7 +261,8 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--symmetric-ar-type", "--use-nccl-ub", "--disable-symmetric-registration",
         "--fsdp-manual-registration", "--use-sharp", "--sharp-enabled-group",
         "--create-all-gather-group", "--nccl-communicator-config-path",
-        "--high-priority-stream-groups", "--cpu-offloading-num-layers",
+        "--pipeline-model-parallel-comm-backend", "--high-priority-stream-groups",
+        "--cpu-offloading-num-layers",
         "--fine-grained-activation-offloading", "--offload-modules",
         "--min-offloaded-tensor-size", "--batch-invariant-mode",
         "--no-clone-scatter-output-in-embedding",
@@ -268,8 +271,8 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
         "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
         "--account-for-loss-in-pipeline-split", "--use-tp-pp-dp-mapping",
-        "--num-distributed-optimizer-instances", "--pipeline-model-parallel-comm-backend",
-        "--distributed-timeout-seconds-after-init", "--lazy-mpu-init", "--fake-process-group",
+        "--num-distributed-optimizer-instances",
+       
     ),
     "fsdp": (
         "--use-megatron-fsdp", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
@@ -326,7 +329,8 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--use-torch-optimizer-for-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
         "--no-pin-cpu-grads", "--no-pin-cpu-params", "--dump-param-to-param-group-map",
         "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
-        "--exp-avg-dtype", "--exp-avg-sq-dtype", "--apply-wd-to-qk-layernorm",
+        "--exp-avg-dtype", "--exp-avg-sq-dtype", "--fp16-lm-cross-entropy",
+        "--apply-wd-to-qk-layernorm",
         "--no-weight-decay-cond-type", 
     ),
     "checkpoint_variants": (
@@ -376,7 +380,8 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--exit-signal", "--exit-signal-handler-for-dataloader", "--iterations-to-skip",
         "--decrease-batch-size-if-needed", "--train-sync-interval",
         "--check-weight-hash-across-dp-replicas-interval", "--disable-gloo-process-groups",
-        "--no-check-for-nan-in-loss-and-grad", "--check-for-large-grads", "--test-mode",
+        "--no-check-for-nan-in-loss-and-grad", "--check-for-large-grads", "--lazy-mpu-init",
+        "--fake-process-group", "--distributed-timeout-seconds-after-init", "--test-mode",
     ),
     "resilience": (
         "--log-straggler", "--straggler-ctrlr-port", "--straggler-minmax-count",
