@@ -232,9 +232,9 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> dict[str, Ruling]:
                     parser._option_string_actions[alias] = action
             _accept_megatron_values(action, flag)
             continue
-        groups[_group_key(ruling)].add_argument(*flag.option_strings, action=_RecordFlag, ruling=ruling,
-                                 dest=_GIVEN, default=argparse.SUPPRESS, help=_help(ruling),
-                                 **_value_syntax(flag))
+        groups[_group_key(ruling)].add_argument(
+            *flag.option_strings, action=_RecordFlag, ruling=ruling, dest=_GIVEN,
+            default=argparse.SUPPRESS, help=_help(ruling), **_value_syntax(flag))
     return table
 
 
@@ -273,7 +273,8 @@ def _group_heading(key: str) -> tuple[str, str]:
         return ("no-op (accepted; Megatron-LM ignores these too)",
                 "said once at start-up; they change nothing")
     if key == "features_branch":
-        return ("refused: features of issue 10 not in this build", flag_catalog.FEATURES_BRANCH_REASON)
+        return ("refused: features of issue 10 not in this build",
+                flag_catalog.FEATURES_BRANCH_REASON)
     theme = flag_catalog.THEMES[key]
     return (f"refused: {theme.title}", theme.reason())
 
