@@ -479,25 +479,28 @@ def default_differences(parser: argparse.ArgumentParser) -> dict[str, tuple[Any,
 DROP_IN = """\
 ## What "drop-in" means
 
-A launch script written for Megatron-LM's `pretrain_gpt.py` at `{tag}` runs unchanged with
-Megatron-Hetero's `pretrain_gpt.py` when every flag it gives is honoured or a no-op below;
-add `--hetero-plan plan.json` to run it under a heterogeneous plan. Precisely:
+A launch script written for Megatron-LM's `pretrain_gpt.py` at `{tag}` runs with
+Megatron-Hetero's `pretrain_gpt.py` unchanged when every flag it gives is honoured or a
+no-op below; adding `--hetero-plan plan.json` runs it under a heterogeneous plan. Precisely:
 
-- Every one of Megatron-LM's {total} flags is known: {honoured} are honoured (Megatron-LM's
-  name, value syntax, meaning and default, differences listed below), {noop} are accepted
-  as no-ops exactly where Megatron-LM ignores them too (said once at start-up), and {refused}
-  are refused at start-up BY NAME, all at once, each with what it is and what to do. A
-  refused flag given with Megatron-LM's default value (`--context-parallel-size 1`) changes
-  nothing and is accepted as a no-op.
-- A script that gives a refused flag needs that flag removed; nothing else changes.
+- All {total} flags of Megatron-LM's `pretrain_gpt.py` are known. {honoured} are honoured
+  (Megatron-LM's name, value syntax, meaning and default; the few default differences are
+  listed below). {noop} are accepted as no-ops, exactly where Megatron-LM ignores them too,
+  and named once at start-up. {refused} are refused at start-up BY NAME - all of a command
+  line's refused flags in one error, each with what it is and what to do - before any
+  process group exists. Removing the refused flags is the only edit a script needs,
+  apart from the default differences listed under "Honoured".
+- A refused flag given with Megatron-LM's default value (`--context-parallel-size 1`)
+  asks for nothing and is accepted as a no-op.
 - A flag that is not Megatron-LM's is an error; "did you mean" is offered only for a real
-  typo (`--hiden-size`), never for a flag with another unit or feature.
-- On a machine without NVIDIA GPUs, two GPU-only values need the one substitution Megatron-LM
-  itself would need: `--transformer-impl local` (no transformer-engine) and
-  `--distributed-backend gloo` (no NCCL); both are the defaults when the flags are left out.
-- The flags the plan also fixes (`--tensor-model-parallel-size`,
+  typo (`--hiden-size`, `--tensor-parallel-size`), never for a flag of another unit or
+  feature (`--lr-warmup-tokens` suggests nothing).
+- GPU-only values on a CPU machine (tests, the emulated cluster) need one substitution
+  each: `--transformer-impl local` for `transformer_engine`, `--distributed-backend gloo`
+  for `nccl`; leaving those flags out picks them automatically.
+- Flags the plan also fixes (`--tensor-model-parallel-size`,
   `--pipeline-model-parallel-size`, `--micro-batch-size`, `--global-batch-size`,
-  `--num-layers`) may stay in the script; they must agree with the plan.
+  `--num-layers`) may stay in the script; each must agree with the plan.
 """
 
 
