@@ -45,6 +45,8 @@ setup(
     # megatron.hetero and never a megatron/__init__.py.
     packages=find_namespace_packages(include=["hetero", "hetero.*", "megatron.hetero", "megatron.hetero.*"]),
     py_modules=["pretrain_gpt"],
+    # Megatron-LM's flag facts, read by megatron.hetero.flags at start-up.
+    package_data={"megatron.hetero": ["megatron_lm_flags.json"]},
     ext_modules=[comm_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     install_requires=[

@@ -1,20 +1,21 @@
 """Command-line flags: Megatron-LM's names, defaults and meanings, plus ``--hetero-plan``.
 
-A recipe written for Megatron-LM's pretrain_gpt.py runs unchanged as long as it uses the
-flags below. A flag we do not know is an error (never silently ignored), and so is a flag
-that contradicts the plan.
+The flags defined below are honoured. Every other flag of Megatron-LM's pretrain_gpt.py is
+known too (flags.py): a no-op where Megatron-LM ignores it, else refused by name with the
+reason. A flag that is not Megatron-LM's is an error naming it, and so is a flag that
+contradicts the plan.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import signal
 from typing import Sequence
 
 from hetero.errors import HeteroError
 from hetero.plan import Plan
+from megatron.hetero import flags
 
 # Megatron-LM flags that only choose fused kernels: speed, not the model. On GPUs they keep
 # their meaning where megatron-core's local or transformer-engine layers offer the kernel;
@@ -187,33 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
         description="Megatron-LM compatible GPT pretraining under a heterogeneous plan.",
+        usage="%(prog)s [flags of Megatron-LM's pretrain_gpt.py] [--hetero-plan PLAN.json]",
         allow_abbrev=False,
     )
     for add in (_add_model_args, _add_training_args, _add_data_args, _add_logging_args,
                 _add_checkpoint_args, _add_distributed_args, _add_hetero_args):
         add(parser)
+    flags.add_megatron_flags(parser)  # the rest of Megatron-LM's flags: no-op or refused
     return parser
 
 
-def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
-    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parses flags; an unknown flag is a HeteroError naming it and its nearest known flag."""
+    """Parses flags. Every refused Megatron-LM flag and every unknown flag given is named in
+    one HeteroError; ``args.noop_flags`` lists the accepted no-ops for the start-up log."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
-        lines = []
-        for flag in flags or unknown:
-            close = difflib.get_close_matches(flag, _known_flags(parser), n=1, cutoff=0.75)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            lines.append(f"unknown flag {flag}{hint}")
-        raise HeteroError(
-            "; ".join(lines) + ". Megatron-Hetero takes Megatron-LM's flags listed by "
-            "`pretrain_gpt.py --help`; remove or correct the flag."
-        )
+    flags.judge(parser, args, unknown)
     return args
 
 
@@ -281,6 +271,7 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
+    flags.judge_after_plan(args)  # --sequence-parallel: a no-op only at tensor-parallel size 1
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "global_batch_size", "train_iters", "lr")
     if args.bf16 and args.fp16:

@@ -1,0 +1,313 @@
+"""Every Megatron-LM flag is known: honoured, a no-op where Megatron-LM ignores it, or
+refused by name with a reason (megatron/hetero/flags.py, flag_catalog.py)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import GPT_MODEL, REPO, TRAINING, make_plan, run_pretrain
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+from megatron.hetero import flag_catalog, flags
+from megatron.hetero.arguments import apply_plan, build_parser, parse_args, validate_args
+from tools.flags_doc import render
+
+BASE = GPT_MODEL + TRAINING
+PARSER = build_parser()
+TABLE = flags.rulings(flags.defined_options(PARSER))
+
+
+def _of(status: flags.Status) -> list[flags.Ruling]:
+    return [r for r in TABLE.values() if r.status is status]
+
+
+def _non_default_value(flag: flags.MegatronFlag) -> list[str]:
+    """Command-line values that parse with Megatron-LM's syntax and differ from its default."""
+    if not flag.takes_value:
+        return []
+    if flag.choices:
+        value = next(c for c in flag.choices if c != flag.default and [c] != flag.default)
+    elif flag.type == "int":
+        value = (flag.default + 1) if isinstance(flag.default, int) else 3
+    elif flag.type == "float":
+        value = (flag.default + 0.5) if isinstance(flag.default, float) else 0.25
+    else:
+        value = "x"
+    count = flag.nargs if isinstance(flag.nargs, int) else 1
+    return [str(value)] * count
+
+
+def _refused_cases() -> list[tuple[str, flags.Ruling]]:
+    return [(option, r) for r in _of(flags.Status.REFUSED) for option in r.flag.option_strings
+            if not option.startswith("--no-") or r.flag.action != "BooleanOptionalAction"]
+
+
+# ---- the facts and the registry --------------------------------------------------------
+
+def test_facts_are_megatron_lms_whole_parser():
+    facts = flags.megatron_flags()
+    assert flags.megatron_tag() == "core_v0.16.1"
+    options = [s for f in facts for s in f.option_strings]
+    assert len(options) == len(set(options)), "an option string belongs to two flags"
+    assert len(facts) == 669 and len(options) == 698  # 651 + 18 nvidia-modelopt actions
+    assert {"--fp8-format", "--use-mcore-models", "--sequence-parallel", "--hidden-size",
+            "--moe-router-topk", "--export-kd-cfg"} <= set(options)
+
+
+def test_every_flag_has_exactly_one_status():
+    assert set(TABLE) == {f.name for f in flags.megatron_flags()}
+    number = flags.counts(TABLE)
+    assert sum(number.values()) == len(TABLE)
+    assert number[flags.Status.HONOURED] >= 102  # what pretrain_gpt.py knew before
+    # every flag's option strings are in --help exactly once, in one group
+    seen = [s for group in PARSER._action_groups for a in group._group_actions
+            for s in a.option_strings]
+    for flag in flags.megatron_flags():
+        for option in flag.option_strings:
+            assert seen.count(option) == 1, option
+
+
+def test_our_own_flags_are_megatrons_or_listed_as_ours():
+    megatron = {s for f in flags.megatron_flags() for s in f.option_strings}
+    ours = flags.defined_options(PARSER) - megatron - {"-h", "--help"}
+    assert ours == set(flags.HETERO_FLAGS)
+
+
+@pytest.mark.parametrize("flag", ["--fp8-format", "--use-mcore-models", "--sequence-parallel",
+                                  *list(flag_catalog.features_branch_reasons())[:1]])
+def test_a_flag_both_honoured_and_catalogued_is_an_error(flag):
+    """What the features branch's merge must get right: defining a flag in arguments.py
+    while its catalog entry stays is caught, naming the flag."""
+    honoured = flags.defined_options(PARSER) | {flag}
+    with pytest.raises(RuntimeError, match=f"honoured by arguments.py AND listed.*{flag}"):
+        flags.check_registry(honoured)
+    parser = argparse.ArgumentParser(add_help=False)  # the honoured flags, and this one
+    for option in sorted(honoured - {"-h", "--help"}):
+        parser.add_argument(option, action="store_true")
+    with pytest.raises(RuntimeError, match=flag):
+        flags.add_megatron_flags(parser)
+
+
+def test_a_flag_neither_honoured_nor_catalogued_is_an_error():
+    honoured = flags.defined_options(PARSER) - {"--hidden-size"}
+    with pytest.raises(RuntimeError, match="neither honoured nor in flag_catalog.py: --hidden-size"):
+        flags.check_registry(honoured)
+
+
+def test_honoured_defaults_are_megatrons_or_documented():
+    assert set(flags.default_differences(PARSER)) == set(flags.DEFAULT_DIFFERENCES)
+
+
+def test_catalog_themes_are_all_used():
+    used = {r.theme for r in _of(flags.Status.REFUSED)}
+    assert set(flag_catalog.THEMES) <= used
+
+
+# ---- refused, by name ------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, ruling", _refused_cases(), ids=lambda c: getattr(c, "name", c))
+def test_every_refused_flag_is_named_with_a_reason(option, ruling):
+    extra = ["--tensor-model-parallel-size", "2"] if ruling.conditional else []
+    with pytest.raises(HeteroError) as err:
+        parse_args(BASE + extra + [option, *_non_default_value(ruling.flag)])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3 and lines[1].startswith(f"  {option}: ")
+    reason = lines[1].split(": ", 1)[1]
+    assert "remove it" in reason or "use --" in reason
+    assert "unknown" not in reason and "did you mean" not in reason
+
+
+ISSUE_22_FLAGS = [
+    ["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
+    ["--recompute-num-layers", "1"], ["--recompute-activations"], ["--overlap-grad-reduce"],
+    ["--overlap-param-gather"], ["--num-layers-per-virtual-pipeline-stage", "2"],
+    ["--num-virtual-stages-per-pipeline-rank", "2"], ["--context-parallel-size", "2"],
+    ["--tp-comm-overlap"], ["--attention-backend", "flash"], ["--cross-entropy-loss-fusion"],
+    ["--grad-reduce-in-bf16"], ["--ddp-bucket-size", "1000"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+]
+
+
+@pytest.mark.parametrize("given", ISSUE_22_FLAGS, ids=lambda g: g[-1] if len(g) > 2 else g[0])
+def test_performance_flags_are_issue_22s(given):
+    flag = next(g for g in reversed(given) if g.startswith("--"))
+    with pytest.raises(HeteroError, match=rf"{flag}: .*performance feature.* of issue 2\.2; not supported yet - remove it"):
+        parse_args(BASE + given)
+
+
+def test_fp8_names_transformer_engine():
+    with pytest.raises(HeteroError, match="--fp8-format: FP8/FP4 training needs transformer-engine "
+                                          "on Hopper/Ada/Blackwell/MI300 GPUs; not supported yet - remove it"):
+        parse_args(BASE + ["--fp8-format", "hybrid"])
+
+
+def test_all_refused_and_unknown_flags_are_reported_in_one_error():
+    with pytest.raises(HeteroError) as err:
+        parse_args(BASE + ["--fp8-format", "hybrid", "--profile", "--recompute-granularity",
+                           "selective", "--batch-size", "4", "--hiden-size", "8"])
+    message = str(err.value)
+    assert message.startswith("5 flag(s) Megatron-Hetero cannot run:")
+    for expected in ("--fp8-format: FP8", "--profile: Megatron-LM's torch/nsys profiler",
+                     "--recompute-granularity: activation recomputation",
+                     "--batch-size: removed from Megatron-LM; use --micro-batch-size",
+                     "unknown flag --hiden-size (did you mean --hidden-size?)"):
+        assert expected in message
+    assert "selective" not in message  # the value was parsed as Megatron-LM parses it
+
+
+REFUSED_VALUES = [(a.option_strings[0], value) for a in PARSER._actions
+                  for value in getattr(a, "refused_values", {})]
+
+
+@pytest.mark.parametrize("option, value", REFUSED_VALUES)
+def test_megatron_values_of_honoured_flags_are_refused_by_name(option, value):
+    with pytest.raises(HeteroError, match=rf"\n  {option} {value}: \S.*\n"):
+        parse_args(BASE + [option, value])
+
+
+def test_refused_values_are_megatrons_and_not_ours():
+    megatron = {f.name: f.choices for f in flags.megatron_flags()}
+    assert {o for o, _ in REFUSED_VALUES} >= {"--ckpt-format", "--optimizer", "--tokenizer-type"}
+    for option, values in flag_catalog.REFUSED_VALUES.items():
+        action = PARSER._option_string_actions[option]
+        for value in values:  # stale once arguments.py runs the value: delete the entry
+            assert value in megatron[option] and value in action.refused_values, (option, value)
+
+
+def test_refused_flags_take_megatrons_value_syntax():
+    with pytest.raises(SystemExit):  # argparse: invalid choice, as Megatron-LM says it
+        parse_args(BASE + ["--fp8-format", "fp9"])
+    with pytest.raises(SystemExit):  # three integers
+        parse_args(BASE + ["--rampup-batch-size", "16", "16"])
+
+
+# ---- no-ops ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ruling", _of(flags.Status.NOOP), ids=lambda r: r.flag.name)
+def test_noops_are_accepted_and_said(ruling):
+    option = ruling.flag.option_strings[-1]
+    args = parse_args(BASE + [option, *_non_default_value(ruling.flag)])
+    assert [m for m in args.noop_flags if m.startswith(f"{option}: no-op, ")], args.noop_flags
+
+
+@pytest.mark.parametrize("given", [["--context-parallel-size", "1"], ["--attention-backend", "auto"],
+                                   ["--cross-entropy-fusion-impl", "native"], ["--no-rl-skip-bos-token"],
+                                   ["--cp-comm-type", "p2p"]])
+def test_a_refused_flag_at_megatrons_default_changes_nothing(given):
+    args = parse_args(BASE + given)
+    assert args.noop_flags == [f"{' '.join(given)}: Megatron-LM's default value; no effect"]
+
+
+def test_sequence_parallel_is_a_noop_only_at_tensor_parallel_size_1():
+    args = parse_args(BASE + ["--tensor-model-parallel-size", "1", "--sequence-parallel"])
+    assert args.noop_flags == ["--sequence-parallel: no-op, Megatron-LM disables sequence "
+                               "parallelism at tensor-parallel size 1"]
+    for tp, refused in ((2, True), (1, False)):  # the plan decides the size
+        plan = Plan.from_dict(make_plan(tp=tp, pp=1, dp=1, stages=[4], replicas=[8],
+                                        rank_order=list(range(tp))))
+        args = parse_args(BASE + ["--sequence-parallel"])
+        assert args.noop_flags == []
+        apply_plan(args, plan)
+        if refused:
+            with pytest.raises(HeteroError, match="--sequence-parallel: interleaved"):
+                validate_args(args)
+        else:
+            validate_args(args)
+            assert args.noop_flags[0].startswith("--sequence-parallel: no-op")
+
+
+def test_megatrons_second_name_of_an_honoured_flag_is_honoured():
+    assert parse_args(BASE + ["--persistent-save-interval", "7"]).save_interval == 7
+
+
+# ---- "did you mean" only for a real typo -----------------------------------------------
+
+@pytest.mark.parametrize("typo, meant", [
+    ("--hiden-size", "--hidden-size"), ("--hidden_size", "--hidden-size"),
+    ("--hiddensize", "--hidden-size"), ("--train-iter", "--train-iters"),
+    ("--ckpt-formatt", "--ckpt-format"), ("--lr-warmup-sample", "--lr-warmup-samples"),
+    ("--micro-bach-size", "--micro-batch-size"),
+    ("--tensor-parallel-size", "--tensor-model-parallel-size"),
+])
+def test_a_typo_suggests_the_flag(typo, meant):
+    with pytest.raises(HeteroError, match=rf"unknown flag {typo} \(did you mean {meant}\?\)"):
+        parse_args(BASE + [typo, "1"])
+
+
+@pytest.mark.parametrize("given", ["--lr-warmup-tokens", "--train-tokens", "--lr-decay-steps",
+                                   "--fp16-format", "--decoder-hidden-size", "--max-lr",
+                                   "--exit-duration-in-seconds", "--load-optim",
+                                   "--lr-warmup", "--first-pipeline-num-layers"])
+def test_another_unit_or_feature_is_never_suggested(given):
+    with pytest.raises(HeteroError) as err:
+        parse_args(BASE + [given, "1"])
+    assert f"unknown flag {given}:" in str(err.value) and "did you mean" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ["--lr-warmup-samples", "--fp8-format", "--train-samples"])
+def test_megatron_flags_are_never_unknown(flag):
+    """The old parser suggested --lr-warmup-iters (another unit) and --ckpt-format."""
+    try:
+        parse_args(BASE + [flag, "hybrid" if flag == "--fp8-format" else "10"])
+    except HeteroError as err:  # refused: named with its reason
+        assert f"  {flag}: " in str(err)
+        assert "unknown" not in str(err) and "did you mean" not in str(err)
+
+
+def test_typo_rule():
+    assert flags.is_typo("--hiden-size", "--hidden-size")
+    assert not flags.is_typo("--lr-warmup-samples", "--lr-warmup-iters")
+    assert not flags.is_typo("--fp8-format", "--ckpt-format")
+    assert not flags.is_typo("--encoder-num-layers", "--decoder-num-layers")
+    assert not flags.is_typo("--min-lr", "--max-lr")
+    assert not flags.is_typo("--load-optim", "--no-load-optim")  # the opposite
+    assert flags.is_typo("--tensor-parallel-size", "--tensor-model-parallel-size")
+
+
+# ---- --help and docs/flags.md ----------------------------------------------------------
+
+def test_docs_flags_md_is_generated_from_the_registry():
+    committed = (REPO / "docs" / "flags.md").read_text()
+    assert committed == render(), "docs/flags.md is stale: python -m tools.flags_doc > docs/flags.md"
+
+
+def _help_sections(text: str) -> dict[str, str]:
+    parts = re.split(r"^(\S[^\n]*):\n", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_help_groups_every_flag_by_status_and_theme():
+    result = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--help"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sections = _help_sections(result.stdout)
+    assert "honoured: Megatron-LM's meaning and default" in sections["model"]
+    assert "--use-mcore-models" in sections["no-op (accepted; Megatron-LM ignores these too)"]
+    fp8 = sections["refused: FP8 and FP4 training"]
+    assert "FP8/FP4 training needs transformer-engine" in fp8 and "--fp8-format" in fp8
+    assert "--sequence-parallel   no-op at tensor-parallel size 1" in result.stdout
+    for flag in flags.megatron_flags():
+        assert re.search(rf"^  (\S+, )*{re.escape(flag.name)}\b", result.stdout, re.MULTILINE), flag.name
+
+
+def test_flags_of_the_namespace_are_megatrons_dests_only():
+    """Non-honoured flags leave nothing behind on args (the start-up log prints every arg)."""
+    args = parse_args(BASE + ["--use-mcore-models"])
+    assert not hasattr(args, flags._GIVEN)
+    assert isinstance(args, argparse.Namespace) and not hasattr(args, "fp8_format")
+
+
+def test_a_real_launch_names_every_refused_flag_and_stops():
+    result = run_pretrain(BASE + ["--use-mcore-models", "--fp8-format", "hybrid",
+                                  "--overlap-grad-reduce", "--tensor-model-parallel-size", "1",
+                                  "--sequence-parallel"], timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "[launch rank 0] error: 2 flag(s) Megatron-Hetero cannot run:" in result.stderr
+    assert "  --fp8-format: FP8/FP4 training needs transformer-engine" in result.stderr
+    assert "  --overlap-grad-reduce: overlaps or buckets" in result.stderr
+    assert "--sequence-parallel" not in result.stderr and "Traceback" not in result.output
