@@ -111,8 +111,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="always on: heterogeneous replicas weight gradients by tokens")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on the exit signal (any rank), finish the iteration, save and exit 0")
-    g.add_argument("--exit-signal", type=lambda name: signal.Signals[name], default=signal.SIGTERM,
-                   choices=[signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2],
+    g.add_argument("--exit-signal", default="SIGTERM",
+                   choices=[s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)],
                    metavar="SIGNAL", help="the signal --exit-signal-handler acts on (default SIGTERM)")
 
 

@@ -166,6 +166,8 @@ REASONS: dict[str, str] = {
 
 # Values of honoured flags that Megatron-LM accepts and Megatron-Hetero refuses, by name.
 REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "--exit-signal": {name: "a process cannot catch this signal, so nothing could save on it; "
+                            "use SIGTERM (Slurm's), SIGINT or SIGUSR1" for name in ("SIGKILL", "SIGSTOP")},
     "--transformer-impl": {
         "inference_optimized": "inference-optimized layers belong to Megatron-LM's inference "
                                "programs; use local or transformer_engine"},
@@ -338,7 +340,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--load-main-params-from-ckpt", "--non-persistent-save-interval",
         "--non-persistent-ckpt-type", "--non-persistent-global-ckpt-dir",
         "--non-persistent-local-ckpt-dir", "--non-persistent-local-ckpt-algo",
-        "--pretrained-checkpoint", "--ckpt-step", "--use-checkpoint-args",
+        "--pretrained-checkpoint", "--use-checkpoint-args",
         "--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
         "--exit-on-missing-checkpoint", "--ckpt-convert-format", "--ckpt-convert-save",
         "--ckpt-convert-update-legacy-dist-opt-format", 
@@ -377,7 +379,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--profile-ranks", "--record-memory-history", "--memory-snapshot-path",
     ),
     "run_control": (
-        "--exit-signal", "--exit-signal-handler-for-dataloader", "--iterations-to-skip",
+        "--exit-signal-handler-for-dataloader", "--iterations-to-skip",
         "--decrease-batch-size-if-needed", "--train-sync-interval",
         "--check-weight-hash-across-dp-replicas-interval", "--disable-gloo-process-groups",
         "--no-check-for-nan-in-loss-and-grad", "--check-for-large-grads", "--lazy-mpu-init",
@@ -437,7 +439,7 @@ _HONOURED_ON_OTHER_BRANCH.update({flag: FEATURES_BRANCH_REASON for flag in (
     "--log-memory-to-tensorboard", "--tensorboard-log-interval", "--timing-log-level",
     "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity",
     "--train-samples", "--lr-warmup-samples", "--lr-decay-samples", "--rampup-batch-size",
-    "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins", "--exit-signal-handler",
+    "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins",
     "--dist-ckpt-strictness", "--ckpt-fully-parallel-load",
     "--async-save", "--use-checkpoint-opt_param-scheduler", "--auto-detect-ckpt-format",
     "--dist-ckpt-optim-fully-reshardable", "--deterministic-mode", "--manual-gc",

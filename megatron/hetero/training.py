@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -303,7 +304,7 @@ class Trainer:
                     self.save(iteration)
                     saved = True
                 self.exited_on_signal = True
-                print_rank_0(f"exiting program after receiving {args.exit_signal.name}.")
+                print_rank_0(f"exiting program after receiving {args.exit_signal}.")
                 break
             if args.exit_interval and iteration % args.exit_interval == 0:
                 if args.save and not saved:
@@ -344,6 +345,8 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
                 f"-> launch rank {plan.launch_rank(logical):4d} on {d.host} ({d.device_type}, {d.vendor})"
             )
     print_rank_0(f"> megatron-core patches applied: {', '.join(patches) or 'none'}")
+    for note in getattr(args, "noop_flags", ()):  # said once, as Megatron-LM's own warnings
+        print_rank_0(f"> {note}")
     kernel_flags = used_kernel_tuning_flags(args)
     if kernel_flags and not torch.cuda.is_available():
         print_rank_0(f"> {', '.join(kernel_flags)}: no effect on the CPU (no fused kernels)")
@@ -360,7 +363,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         check_devices=plan_source is not None,
     )
     watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
-                        exit_signal=args.exit_signal if args.exit_signal_handler else None).start()
+                        exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None).start()
     try:
         _train(args, plan, plan_source, ctx, patches,
                watchdog.exit_requested if args.exit_signal_handler else None)
