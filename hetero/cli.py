@@ -147,22 +147,45 @@ def _plan_command(argv: Sequence[str]) -> int:
     return 0
 
 
+@dataclass
+class RecordedJob:
+    """What a plan written by hetero-plan records of the job it was made for."""
+
+    cluster: Cluster
+    model: ModelSpec
+    setup: TrainingSetup
+    profiles: Profiles | None
+    profiles_source: str | None
+
+    @classmethod
+    def of(cls, plan: Plan, source: str) -> "RecordedJob":
+        extra = plan.model_extra
+        missing = [k for k in ("cluster", "model", "training") if k not in extra]
+        if missing:
+            raise HeteroError(f"{source} has no {', '.join(missing)} section; a plan written by "
+                              "hetero-plan records them")
+        training = extra["training"]
+        setup = TrainingSetup(**{k: training[k] for k in ("precision", "distributed_optimizer",
+                                                          "fused_kernels", "dropout")})
+        profiles_source = extra.get("provenance", {}).get("profiles")
+        return cls(Cluster.from_dict(extra["cluster"], f"{source}: cluster"), ModelSpec(**extra["model"]),
+                   setup, Profiles.load_dir(profiles_source) if profiles_source else None, profiles_source)
+
+
 def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:
     """Re-predicts a plan written by hetero-plan (it carries its cluster, model, training)."""
-    extra = plan.model_extra
-    missing = [k for k in ("cluster", "model", "training") if k not in extra]
-    if missing:
-        raise HeteroError(f"{source} has no {', '.join(missing)} section; explain needs a plan "
-                          "written by hetero-plan")
-    cluster = Cluster.from_dict(extra["cluster"], f"{source}: cluster")
-    model = ModelSpec(**extra["model"])
-    training = extra["training"]
-    setup = TrainingSetup(**{k: training[k] for k in ("precision", "distributed_optimizer",
-                                                      "fused_kernels", "dropout")})
-    profiles = None
-    if extra.get("provenance", {}).get("profiles"):
-        profiles = Profiles.load_dir(extra["provenance"]["profiles"])
-    return predict(plan, cluster, CostModel(cluster, model, setup, profiles)), cluster
+    job = RecordedJob.of(plan, source)
+    return predict(plan, job.cluster, CostModel(job.cluster, job.model, job.setup, job.profiles)), job.cluster
+
+
+def plan_for_recorded_job(plan: Plan, cluster: Cluster) -> Plan:
+    """The plan's job (model, precision, global batch, micro-batch size) planned anew for
+    another cluster: what an elastic run does after losing nodes. The micro-batch size
+    stays, since the job's flags state it."""
+    job = RecordedJob.of(plan, "the plan")
+    options = PlannerOptions(micro_batch_sizes=(plan.micro_batch_size,), setup=job.setup)
+    return plan_job(cluster, job.model, plan.global_batch_size, options, job.profiles,
+                    with_baseline=False, with_upper_bound=False, profiles_source=job.profiles_source).plan
 
 
 def _explain_command(argv: Sequence[str]) -> int:

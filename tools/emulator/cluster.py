@@ -63,6 +63,8 @@ class JobResult:
     returncode: int
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # Nodes whose launcher died of a signal before the emulator stopped anything (lost nodes).
+    killed_hosts: set[str] = field(default_factory=set)
 
     @property
     def output(self) -> str:
@@ -184,9 +186,12 @@ class EmulatedCluster:
                 if time.monotonic() > deadline:
                     raise HeteroError(f"emulated job ran past {timeout:.0f} s")
                 if any(p.poll() not in (None, 0) for p in procs):
+                    result.killed_hosts = self._killed_hosts(procs)
                     time.sleep(5)  # let the others report why, then stop them
                     break
                 time.sleep(0.05)
+            else:
+                result.killed_hosts = self._killed_hosts(procs)
         finally:
             kill_trees([p.pid for p in procs if p.poll() is None])
             for proc in procs:
@@ -198,6 +203,33 @@ class EmulatedCluster:
             result.returncode = result.returncode or 1
         result.seconds = time.monotonic() - start
         return result
+
+
+    def _killed_hosts(self, procs: list[subprocess.Popen]) -> set[str]:
+        return {host for (host, _), proc in zip(self.layout.hosts, procs)
+                if proc.poll() is not None and proc.returncode < 0}
+
+
+class ElasticRunner:
+    """hetero.elastic's node runner: each attempt runs its plan on an emulated copy of the
+    plan's nodes, every device keeping its speed (the full cluster's fastest device is the
+    reference whatever is left)."""
+
+    def __init__(self, cluster: Cluster, *, shaped: bool = True, echo: bool = True,
+                 timeout: float = 3600):
+        self.cluster, self.shaped, self.echo, self.timeout = cluster, shaped, echo, timeout
+        self.reference_tflops = max(d.peak_tflops for d in (n.device for n in cluster.nodes))
+
+    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int):
+        from hetero.elastic import AttemptResult
+
+        emulated = EmulatedCluster(self.cluster, RankLayout.of_plan(plan), shaped=self.shaped,
+                                   reference_tflops=self.reference_tflops)
+        with emulated:
+            result = emulated.run(["pretrain_gpt.py", "--hetero-plan", plan_path, *train_args],
+                                  timeout=self.timeout, echo=self.echo,
+                                  master_port=20000 + (emulated.run_id + 7 * attempt) % 20000)
+        return AttemptResult(result.returncode, result.killed_hosts, result.lines)
 
 
 def descendants(pids: list[int]) -> list[int]:

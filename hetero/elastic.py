@@ -1,0 +1,156 @@
+"""Elastic runs: a job that loses a node re-plans for the devices left and carries on.
+
+    python -m hetero.launch plan.json --elastic --cluster C.yaml [--emulate] -- <flags> \\
+        --save DIR --save-interval N
+
+The supervisor starts every node's launcher (a runner: local processes, or the emulated
+cluster of tools/emulator) and waits. When the job fails because nodes were lost - a
+node's launcher died, or ranks on other hosts name the lost ranks' host - it plans again
+for the surviving nodes with the same planner, model, precision and global batch (the
+plan records them), logs the old and the new plan's predicted speed, and restarts the
+survivors with the new plan and ``--load DIR``: the last complete checkpoint re-shards
+onto the new layout. Any other failure (bad input, a crash on every node) ends the run
+with its exit code, as does running out of --max-restarts.
+
+Nodes that come back are not taken in while the job runs; restart the supervisor with
+the full cluster's plan to use them again.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+from hetero.cluster import Cluster
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+
+# What a rank prints when it finds others gone (megatron/hetero/watchdog.py).
+_LOST_REPORT = re.compile(r"\[launch rank (\d+)\] error: the job lost (.*)")
+_LOST_HOST = re.compile(r"launch rank \d+ \(logical rank \d+, host ([^,]+),")
+
+
+@dataclass
+class AttemptResult:
+    """How one launch of the job ended."""
+
+    returncode: int
+    # Hosts whose launcher died of a signal before the runner stopped anything itself.
+    killed_hosts: set[str] = field(default_factory=set)
+    lines: list[str] = field(default_factory=list)
+
+
+class NodeRunner(Protocol):
+    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int) -> AttemptResult:
+        """Runs every node of the plan and waits for the job to end."""
+
+
+def lost_hosts(result: AttemptResult, plan: Plan) -> set[str]:
+    """Hosts lost in this attempt: killed launchers, and hosts that ranks elsewhere report."""
+    lost = set(result.killed_hosts)
+    for line in result.lines:
+        report = _LOST_REPORT.search(line)
+        if not report:
+            continue
+        reporter_host = plan.devices[int(report.group(1))].host
+        lost |= {h for h in _LOST_HOST.findall(report.group(2)) if h != reporter_host}
+    return lost & {host for host, _ in plan.hosts()}
+
+
+def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
+    """The cluster less some nodes (groups left empty and their links go too)."""
+    spec = cluster.to_dict()
+    groups = []
+    for group in spec["groups"]:
+        nodes = []
+        for node in group["nodes"]:
+            names = ([node["host"]] if node.get("host") else
+                     [f"{node['host_prefix']}{i}" for i in range(node.get("num_nodes", 1))])
+            base = {k: v for k, v in node.items() if k not in ("host", "host_prefix", "num_nodes")}
+            nodes += [{**base, "host": name} for name in names if name not in hosts]
+        if nodes:
+            groups.append({**group, "nodes": nodes})
+    if not groups:
+        raise HeteroError("every node of the cluster is lost; nothing to re-plan on")
+    kept = {g["name"] for g in groups}
+    links = [l for l in spec.get("inter_group", []) if set(l["between"]) <= kept]
+    return Cluster.from_dict({**spec, "groups": groups, "inter_group": links},
+                             f"{cluster.source} without {', '.join(sorted(hosts))}")
+
+
+def replan(plan: Plan, lost: set[str]) -> Plan:
+    """The same job (model, precision, global batch, search space) on the surviving nodes."""
+    from hetero.cli import plan_for_recorded_job  # the CLI owns how a recorded job is planned
+
+    extra = plan.model_extra
+    missing = [k for k in ("cluster", "model", "training") if k not in extra]
+    if missing:
+        raise HeteroError(f"the plan has no {', '.join(missing)} section; --elastic needs a plan "
+                          "written by hetero-plan (it re-plans the same job on the survivors)")
+    cluster = cluster_without(Cluster.from_dict(extra["cluster"], "the plan's cluster"), lost)
+    return plan_for_recorded_job(plan, cluster)
+
+
+def predicted_tokens_per_s(plan: Plan) -> float | None:
+    return (plan.model_extra.get("prediction") or {}).get("tokens_per_s")
+
+
+def with_load(train_args: Sequence[str]) -> list[str]:
+    """The flags of a resumed attempt: --load the directory the job saves to."""
+    args = list(train_args)
+    save = _flag_value(args, "--save")
+    if save is None:
+        raise HeteroError("--elastic needs --save DIR --save-interval N among the training flags: "
+                          "a restarted job resumes from the last checkpoint")
+    if _flag_value(args, "--load") is None:
+        args += ["--load", save]
+    return args
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, run_dir: Path,
+                max_restarts: int = 3, log: Callable[[str], None] = print) -> int:
+    """Runs the job, re-planning after every lost node; returns the final exit code."""
+    plan = Plan.load(plan_path)
+    with_load(train_args)  # checks --save before anything starts
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = list(train_args)
+    for attempt in range(max_restarts + 1):
+        log(f"elastic: attempt {attempt} on {len(plan.hosts())} nodes "
+            f"({', '.join(h for h, _ in plan.hosts())}), plan {plan_path}")
+        result = runner.run(plan, plan_path, args, attempt)
+        if result.returncode == 0:
+            log(f"elastic: the job finished (attempt {attempt})")
+            return 0
+        lost = lost_hosts(result, plan)
+        if not lost:
+            log(f"elastic: the job failed with exit code {result.returncode} and lost no node; "
+                "not restarting (see its errors above)")
+            return result.returncode
+        if attempt == max_restarts:
+            log(f"elastic: lost {', '.join(sorted(lost))}, and all {max_restarts} restarts are used")
+            return result.returncode
+        new_plan = replan(plan, lost)
+        plan_path = str(run_dir / f"plan-{attempt + 1}.json")
+        new_plan.save(plan_path)
+        old_speed, new_speed = predicted_tokens_per_s(plan), predicted_tokens_per_s(new_plan)
+        log(f"elastic: lost {', '.join(sorted(lost))}; re-planned for "
+            f"{', '.join(h for h, _ in new_plan.hosts())}: {new_plan.summary()}; predicted "
+            f"{_speed(old_speed)} -> {_speed(new_speed)} tokens/s; wrote {plan_path}; resuming from "
+            "the last checkpoint")
+        plan, args = new_plan, with_load(train_args)
+    return 1
+
+
+def _speed(value: float | None) -> str:
+    return f"{value:,.0f}" if value is not None else "?"

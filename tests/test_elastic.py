@@ -1,0 +1,147 @@
+"""Elastic runs: a job that loses a node re-plans for the survivors and finishes without a
+person, and what it trains after the loss is what a resume by hand would train.
+
+The job runs on the emulated cpu_demo cluster (a fast node and a slow node, one torchrun
+each in its own network namespace); the slow node is killed - launcher and workers -
+once a checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
+from hetero.cluster import Cluster
+from hetero.elastic import AttemptResult, cluster_without, lost_hosts, with_load
+from hetero.errors import HeteroError
+from hetero.plan import Plan
+from tools.emulator import EmulatedCluster
+
+CLUSTER = REPO / "examples" / "clusters" / "cpu_demo.yaml"
+TINY_GPT = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+            "num_query_groups": 4, "seq_length": 32, "vocab_size": 1024, "swiglu": False,
+            "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
+            "normalization": "LayerNorm", "position_embedding_type": "learned_absolute"}
+
+
+def _iterations(text: str) -> dict[int, str]:
+    return dict((int(i), loss) for i, loss in
+                re.findall(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|", text))
+
+
+def _plan(tmp_path: Path) -> Path:
+    model = tmp_path / "tiny_gpt.yaml"
+    model.write_text(yaml.safe_dump(TINY_GPT))
+    plan = tmp_path / "plan.json"
+    subprocess.run([sys.executable, "-m", "hetero.cli", "--cluster", str(CLUSTER), "--model", str(model),
+                    "--global-batch-size", "16", "--seq-length", "32", "--micro-batch-size", "2",
+                    "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "--skip-baseline",
+                    "--skip-upper-bound", "--quiet", "-o", str(plan)], cwd=REPO, check=True,
+                   capture_output=True)
+    return plan
+
+
+def _kill_node(host: str) -> int:
+    """SIGKILL to every process of one emulated node (its torchrun and its workers)."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"HETERO_EMULATED_HOST={host}".encode() in environ:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+# ----- the pieces, without processes ------------------------------------------------------
+
+
+def test_lost_hosts_are_killed_launchers_and_hosts_others_report():
+    plan = Plan.from_dict({"version": 1, "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 3,
+                           "micro_batch_size": 1, "stages": [{"num_layers": 2}],
+                           "replicas": [{"num_micro_batches": 1}] * 3, "rank_order": [0, 1, 2],
+                           "devices": [{"host": h, "device_type": "cpu", "vendor": "cpu"}
+                                       for h in ("a", "b", "c")]})
+    report = ("[launch rank 0] error: the job lost launch rank 2 (logical rank 2, host c, pid 9): "
+              "no heartbeat for 11 s. This process stops too\n")
+    assert lost_hosts(AttemptResult(1, {"b"}, [report]), plan) == {"b", "c"}
+    # A rank reporting its own host's peer does not make its host lost twice; nothing -> nothing.
+    assert lost_hosts(AttemptResult(2, set(), ["[launch rank 0] error: bad flag\n"]), plan) == set()
+
+
+def test_cluster_without_drops_nodes_groups_and_their_links():
+    cluster = Cluster.load(REPO / "examples" / "clusters" / "holmes_like.yaml")
+    gone = {cluster.nodes[0].host, cluster.nodes[1].host}
+    smaller = cluster_without(cluster, gone)
+    assert [n.host for n in smaller.nodes] == [n.host for n in cluster.nodes if n.host not in gone]
+    with pytest.raises(HeteroError, match="every node of the cluster is lost"):
+        cluster_without(cluster, {n.host for n in cluster.nodes})
+
+
+def test_elastic_needs_save():
+    with pytest.raises(HeteroError, match="--elastic needs --save DIR"):
+        with_load(["--train-iters", "5"])
+    assert with_load(["--save", "d"]) == ["--save", "d", "--load", "d"]
+
+
+# ----- a real job -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(EmulatedCluster.missing_prerequisites()),
+                    reason="emulator unavailable: " + "; ".join(EmulatedCluster.missing_prerequisites()))
+def test_a_job_that_loses_a_node_finishes_on_the_other_as_a_hand_resume_would(tmp_path):
+    plan = _plan(tmp_path)
+    assert {h for h, _ in Plan.load(plan).hosts()} == {"node-fast", "node-slow"}
+    save = tmp_path / "ckpt"
+    train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
+                                    "--save", str(save), "--save-interval", "2"]
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "hetero.launch", str(plan), "--elastic", "--cluster", str(CLUSTER),
+         "--run-dir", str(tmp_path / "runs"), "--", *train],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    try:
+        for line in supervisor.stdout:
+            lines.append(line)
+            if "successfully saved checkpoint from iteration       2" in line:
+                break
+        assert _kill_node("node-slow") > 0, "".join(lines)[-3000:]
+        lines += supervisor.stdout.readlines()
+        assert supervisor.wait(timeout=600) == 0, "".join(lines)[-4000:]
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    output = "".join(lines)
+    replanned = re.search(r"elastic: lost node-slow; re-planned for node-fast: (.*); predicted "
+                          r"([0-9,]+) -> ([0-9,]+) tokens/s; wrote (\S+);", output)
+    assert replanned, output[-4000:]
+    assert "elastic: the job finished (attempt 1)" in output
+    second = output.split("elastic: attempt 1 on 1 nodes")[1]
+    resumed_at = int(re.search(r"successfully loaded checkpoint from .* at iteration (\d+)", second).group(1))
+    after_loss = _iterations(second)
+    assert sorted(after_loss) == list(range(resumed_at + 1, 11))
+
+    # By hand: the same checkpoint under the new plan, on the fast node's two devices.
+    by_hand = run_pretrain(train[:-4] + ["--load", str(save), "--ckpt-step", str(resumed_at),
+                                         "--hetero-plan", replanned.group(4)],
+                           nproc=2, env={"HETERO_DEVICE": "cpu-fast", "HETERO_VENDOR": "cpu"}, timeout=300)
+    assert by_hand.returncode == 0, by_hand.output[-3000:]
+    assert _iterations(by_hand.stdout) == after_loss
