@@ -15,12 +15,16 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 
-from conftest import GPT_MODEL, TRAINING, LiveJob, make_plan, run_pretrain
+from conftest import GPT_MODEL, REPO, TRAINING, LiveJob, make_plan, run_pretrain
+from hetero.cluster import Cluster
+from hetero.plan import Plan
 from megatron.hetero.watchdog import PEER_TIMEOUT_S, _process_exists
+from tools.emulator import EmulatedCluster, RankLayout
 
 pytestmark = pytest.mark.slow
 
@@ -197,3 +201,46 @@ def test_a_truncated_checkpoint_is_named_at_load_and_an_older_one_loads(tmp_path
     older = run_pretrain(ARGS + ["--train-iters", "3", "--load", str(root), "--ckpt-step", "2"], timeout=300)
     assert older.returncode == 0, older.output[-3000:]
     assert abs(_losses(older.stdout)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]
+
+
+# ----- network --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(EmulatedCluster.missing_prerequisites()),
+                    reason="emulator unavailable: " + "; ".join(EmulatedCluster.missing_prerequisites()))
+def test_a_dropped_link_stops_the_job_within_the_heartbeat_bound(tmp_path, uninterrupted):
+    """Two emulated nodes; the slow node's link goes down mid-run. Nobody's process dies, so
+    only the heartbeats can tell: the fast node names the slow node's ranks within the
+    bound (and the slow node, cut off from the job's store, stops on its own)."""
+    devices = ([{"host": "node-fast", "device_type": "cpu-fast", "vendor": "cpu"}] * 2
+               + [{"host": "node-slow", "device_type": "cpu-slow", "vendor": "cpu"}] * 2)
+    plan = {**PLAN, "devices": devices}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    cluster = Cluster.load(REPO / "examples" / "clusters" / "cpu_demo.yaml")
+    emulated = EmulatedCluster(cluster, RankLayout.of_plan(Plan.from_dict(plan)))
+    args = ["pretrain_gpt.py", *ARGS, "--train-iters", "400", "--save", str(tmp_path / "ckpt"),
+            "--save-interval", "2", "--hetero-plan", str(plan_path)]
+    outcome = {}
+    with emulated:
+        job = threading.Thread(target=lambda: outcome.update(result=emulated.run(args, echo=False, timeout=600)))
+        job.start()
+        deadline = time.monotonic() + 300
+        while not any("successfully saved checkpoint from iteration       2" in line
+                      for line in list(emulated.current.lines if emulated.current else [])):
+            assert time.monotonic() < deadline and job.is_alive(), "".join(emulated.current.lines)[-3000:]
+            time.sleep(0.2)
+        emulated.cut_link("node-slow")
+        cut_at = time.monotonic()
+        job.join(timeout=PEER_TIMEOUT_S + 60)
+        stopped_after = time.monotonic() - cut_at
+    assert not job.is_alive()
+    result = outcome["result"]
+    assert result.returncode != 0
+    output = result.output
+    # The fast node names the slow node's ranks; the slow node lost the job's store.
+    assert re.search(r"\[launch rank [01]\] error: the job lost launch rank [23] \(logical rank \d, "
+                     r"host node-slow,", output), output[-3000:]
+    assert stopped_after < PEER_TIMEOUT_S + 30, stopped_after
+    print(f"link dropped: job stopped in {stopped_after:.1f} s")
+    _assert_resumes_the_same_training(tmp_path, uninterrupted)

@@ -57,7 +57,10 @@ class Watchdog:
         self.launch_rank, self.plan = launch_rank, plan
         self.resume_hint = resume_hint
         self.exit_signal = exit_signal
-        self.host = socket.gethostname()
+        self.machine = socket.gethostname()  # where a pid means something
+        # The host the job knows this rank by: an emulated node's name (tools/emulator) or
+        # the machine's.
+        self.host = os.environ.get("HETERO_EMULATED_HOST") or self.machine
         self.neighbours = neighbours(plan, launch_rank)
         # Only a worker of torchrun's agent has a launcher to lose; a bare `python
         # pretrain_gpt.py` belongs to whatever shell started it.
@@ -71,7 +74,7 @@ class Watchdog:
     # ----- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> "Watchdog":
-        self.store.set(f"where/{self.launch_rank}", f"{self.host} {os.getpid()}")
+        self.store.set(f"where/{self.launch_rank}", f"{self.host} {os.getpid()} {self.machine}")
         self.store.set(f"done/{self.launch_rank}", "0")
         self._beat()
         if threading.current_thread() is threading.main_thread():
@@ -227,13 +230,13 @@ class Watchdog:
         for r in ranks:
             if values[f"done/{r}"] != b"0":  # finished, or stopped on a failure it reported
                 continue
-            host, pid = values[f"where/{r}"].decode().split()
+            host, pid, machine = values[f"where/{r}"].decode().split()
             age = now - float(values[f"alive/{r}"].decode())
-            gone = host == self.host and not _process_exists(int(pid))
+            gone = machine == self.machine and not _process_exists(int(pid))
             if r in self._lost or gone or age > PEER_TIMEOUT_S:
                 if r not in self._lost:  # later looks may see only the aftermath (a kill)
                     why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s"
-                    if not gone and host == self.host:
+                    if not gone and machine == self.machine:
                         why += _kill_frozen(int(pid))
                     self._lost[r] = why
                 lost.append(f"launch rank {r} (logical rank {self.plan.logical_rank(r)}, host {host}, "

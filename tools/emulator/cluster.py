@@ -95,6 +95,7 @@ class EmulatedCluster:
         ]
         self._network: network.EmulatedNetwork | None = None
         self._quotas: cpu_quota.CpuQuotas | None = None
+        self.current: JobResult | None = None  # the running job's output so far
 
     @staticmethod
     def missing_prerequisites() -> list[str]:
@@ -132,6 +133,12 @@ class EmulatedCluster:
         if self._network:
             self._network.remove()
 
+    def cut_link(self, host: str) -> None:
+        """Drops one node's link while a job runs (a fault to test against)."""
+        if not self._network:
+            raise HeteroError("an unshaped emulated cluster has no links to cut")
+        self._network.cut(host)
+
     # ----- running --------------------------------------------------------------------
 
     def node_command(self, node_rank: int, argv: list[str], master_port: int) -> tuple[list[str], dict]:
@@ -159,6 +166,7 @@ class EmulatedCluster:
         """Runs `python ARGV...` as every rank (ARGV[0] a script) and waits for all nodes."""
         master_port = master_port or 20000 + self.run_id % 20000
         result, procs, lock = JobResult(0), [], threading.Lock()
+        self.current = result
         start = time.monotonic()
 
         def pump(proc: subprocess.Popen) -> None:

@@ -126,6 +126,11 @@ class EmulatedNetwork:
     def node(self, host: str) -> EmulatedNode:
         return next(n for n in self.nodes if n.host == host)
 
+    def cut(self, host: str) -> None:
+        """Drops the node's link, as a failed NIC or cable would: its packets go nowhere."""
+        k = next(k for k, n in enumerate(self.nodes) if n.host == host)
+        _ip("link", "set", f"hv{self.run_id}r{k}", "down")
+
     def exec_prefix(self, host: str) -> list[str]:
         """Runs a command in the node's namespace. nsenter, not `ip netns exec`: the latter
         remounts /sys, which hides the cgroup tree the ranks must join."""
