@@ -86,3 +86,39 @@ def test_a_split_that_cannot_serve_its_samples_is_an_error_before_training(
     assert result.returncode == 2, result.output[-3000:]
     assert problem in result.stderr, result.stderr[-2000:]
     assert "training ..." not in result.stdout
+
+
+class _SignalState(torch.utils.data.Dataset):
+    """Each item is how the DataLoader worker that loads it handles signals."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        import signal
+
+        wakeup_fd = signal.set_wakeup_fd(-1)
+        return int(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL), wakeup_fd
+
+
+def test_dataloader_workers_do_not_inherit_the_watchdogs_signal_handling():
+    import signal
+    import socket
+
+    from megatron.hetero.data import reset_signals_in_worker
+
+    receive, send = socket.socketpair()
+    send.setblocking(False)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.set_wakeup_fd(send.fileno())
+    try:
+        loader = torch.utils.data.DataLoader(_SignalState(), batch_size=None, num_workers=1,
+                                             worker_init_fn=reset_signals_in_worker)
+        assert [tuple(map(int, item)) for item in loader] == [(1, -1), (1, -1)]
+        inherited = torch.utils.data.DataLoader(_SignalState(), batch_size=None, num_workers=1)
+        assert [tuple(map(int, item)) for item in inherited][0] == (0, send.fileno())  # what we undo
+    finally:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, previous)
+        receive.close()
+        send.close()

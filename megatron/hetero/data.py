@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -172,6 +173,16 @@ class ReplicaBatchSampler:
             iteration += 1
 
 
+def reset_signals_in_worker(_worker_id: int = 0) -> None:
+    """A DataLoader worker is forked from a rank whose watchdog owns SIGTERM/SIGINT and the
+    signal wakeup socket; a signal reaching the worker after the rank closed that socket
+    printed "OSError: [Errno 9] Bad file descriptor". Workers take default handling: their
+    parent stops them."""
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def needs_data() -> bool:
     return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
 
@@ -191,5 +202,6 @@ def micro_batch_iterator(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        worker_init_fn=reset_signals_in_worker,
     )
     return iter(loader)
