@@ -120,6 +120,19 @@ def _apply_reshardable_offsets() -> object:
     return sharded_param_state_fully_reshardable
 
 
+def _apply_checkpoint_queue_by_fork() -> object:
+    from torch import multiprocessing as mp
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def write_results_queue():
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        return filesystem_async._results_queue
+
+    filesystem_async._get_write_results_queue = write_results_queue
+    return write_results_queue
+
+
 def _apply_schedule_trace() -> object:
     from megatron.hetero.tracing import wrap_schedule_functions
 
@@ -160,6 +173,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_reshardable_offsets,
+    ),
+    Patch(
+        name="checkpoint-results-queue-by-fork",
+        why=(
+            "only without a GPU: megatron-core's checkpoint writer collects its results "
+            "through a multiprocessing Manager started with 'spawn' (safe with CUDA), a new "
+            "interpreter that imports torch: ~10 s of the first save of every process on 2 "
+            "cores. Without CUDA a forked Manager is as safe and starts at once"
+        ),
+        needed=_no_gpu,
+        apply=_apply_checkpoint_queue_by_fork,
     ),
     Patch(
         name="schedule-trace",
