@@ -12,7 +12,13 @@ survivors and continue.
 Atomic: every rank writes into iter_N.tmp; once all have finished, rank 0 renames it to
 iter_N and then replaces the tracker file. A crash at any point leaves the tracker naming
 a complete checkpoint; a leftover .tmp directory is never read and is removed by the next
-save.
+save. With --async-save the tensors are written in the background and the rename and
+tracker update run as the save's finalization, once every rank's write has completed.
+
+Megatron-LM's checkpoint flags are passed on to megatron-core: --ckpt-fully-parallel-save
+(the default; --no-ckpt-fully-parallel-save turns it off) and --ckpt-fully-parallel-load
+spread the replicated tensors over the data-parallel ranks, --dist-ckpt-strictness says
+what loading does with keys only one side has.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ import torch.distributed as dist
 from hetero.errors import HeteroError
 from hetero.plan import Plan, write_json_atomic
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
@@ -118,11 +134,42 @@ def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool,
     return state
 
 
+# Background checkpoint writes (--async-save); created at the first one.
+_ASYNC_SAVES: AsyncCallsQueue | None = None
+
+
+def finalize_pending_saves(blocking: bool = True) -> None:
+    """Completes background saves (rename + tracker); blocking waits for all of them. A
+    collective: every rank calls it at the same points."""
+    if _ASYNC_SAVES is None:
+        return
+    if blocking and _ASYNC_SAVES.get_num_unfinalized_calls():
+        print_rank_0("Unfinalized async checkpoint saves. Finalizing them synchronously now.")
+    _ASYNC_SAVES.maybe_finalize_async_calls(blocking=blocking)
+    if blocking:
+        _ASYNC_SAVES.close()
+
+
+def _save_strategy(args: argparse.Namespace):
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if args.ckpt_fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                     args: argparse.Namespace, plan: Plan) -> float:
-    """Writes iteration's checkpoint atomically; returns the seconds it took."""
+    """Writes iteration's checkpoint atomically; returns the seconds it took (until the
+    background write started, with --async-save)."""
+    global _ASYNC_SAVES
     start = time.perf_counter()
     final, staging = iteration_dir(root, iteration), Path(f"{iteration_dir(root, iteration)}.tmp")
+    if args.async_save:
+        finalize_pending_saves(blocking=False)
+        if _ASYNC_SAVES is not None and _ASYNC_SAVES.get_num_unfinalized_calls():
+            # One save in flight at a time: the next one may remove stale .tmp directories.
+            _ASYNC_SAVES.maybe_finalize_async_calls(blocking=True)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format")
     if dist.get_rank() == 0:
         Path(root).mkdir(parents=True, exist_ok=True)
@@ -137,26 +184,43 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         "hetero": {"model_shape": model_shape(args), "layout": list(sizes), "plan": plan.to_dict(),
                    "distributed_optimizer": bool(args.use_distributed_optimizer)},
     })
-    dist_checkpointing.save(state, str(staging))
+    request = dist_checkpointing.save(state, str(staging), _save_strategy(args),
+                                      async_sharded_save=args.async_save)
+    layout = f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ]"
+
+    def publish() -> None:
+        """After every rank's write: rename iter_N.tmp -> iter_N, then the tracker."""
+        if dist.get_rank() == 0:
+            _publish(root, iteration, staging, final, plan)
+        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} {layout}")
+
+    if args.async_save:
+        request.add_finalize_fn(publish)
+        if _ASYNC_SAVES is None:
+            _ASYNC_SAVES = AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker)
+        _ASYNC_SAVES.schedule_async_request(request)
+        return time.perf_counter() - start
     dist.barrier()
-    if dist.get_rank() == 0:
-        write_json_atomic(staging / "hetero_plan.json", plan.to_dict())
-        if final.exists():  # saving the same iteration again: the new one wins
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _fsync_dir(Path(root))
-        tracker = Path(root) / TRACKER
-        tmp = tracker.with_name(f".{TRACKER}.tmp")
-        tmp.write_text(f"{iteration}\n")
-        with open(tmp) as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, tracker)
-        _fsync_dir(Path(root))
+    publish()
     dist.barrier()
     seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} "
-                 f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ] ({seconds:.2f} s)")
+    print_rank_0(f"  checkpoint of iteration {iteration:7d} written in {seconds:.2f} s")
     return seconds
+
+
+def _publish(root: str, iteration: int, staging: Path, final: Path, plan: Plan) -> None:
+    write_json_atomic(staging / "hetero_plan.json", plan.to_dict())
+    if final.exists():  # saving the same iteration again: the new one wins
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(Path(root))
+    tracker = Path(root) / TRACKER
+    tmp = tracker.with_name(f".{TRACKER}.tmp")
+    tmp.write_text(f"{iteration}\n")
+    with open(tmp) as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, tracker)
+    _fsync_dir(Path(root))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -167,6 +231,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_format(root: str, args: argparse.Namespace) -> None:
+    """Only megatron-core's distributed format (torch_dist) is read; say so for the legacy
+    per-rank torch format (mp_rank_* files) instead of failing inside megatron-core."""
+    directory = Path(root)
+    legacy = any(directory.glob("iter_*/mp_rank_*")) or any(directory.glob("release/mp_rank_*"))
+    if legacy:
+        raise HeteroError(
+            f"{root} holds a checkpoint in Megatron-LM's legacy torch format (mp_rank_* files); "
+            "Megatron-Hetero reads the distributed torch_dist format: convert it with Megatron-LM's "
+            "tools/checkpoint (--ckpt-convert-format torch_dist) first")
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> tuple[int, float]:
     """Restores the latest checkpoint under root; (iteration, seconds), or (0, 0) if none.
 
@@ -174,6 +250,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     if never stopped. Under another layout (re-planned) the tensors are re-sharded; the
     per-rank RNG streams have no counterpart and are left as seeded.
     """
+    _check_format(root, args)
     iteration = latest_iteration(root)
     if iteration is None:
         print_rank_0(f"WARNING: no checkpoint in {root} ({TRACKER} not found); starting from scratch")
@@ -205,7 +282,16 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
     state = _state(model, optimizer, scheduler, loading=True, optimizer_state=restore_optimizer,
                    rng=restore_rng)
-    loaded = dist_checkpointing.load(state, str(directory))
+    strategy = get_default_load_sharded_strategy(str(directory))
+    if args.ckpt_fully_parallel_load:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    loaded = dist_checkpointing.load(state, str(directory), strategy, strict=args.dist_ckpt_strictness)
+    if StrictHandling(args.dist_ckpt_strictness) in (StrictHandling.RETURN_UNEXPECTED,
+                                                     StrictHandling.RETURN_ALL):
+        loaded, missing, unexpected = loaded
+        print_rank_0(f"  checkpoint keys missing from the checkpoint: {sorted(missing) or 'none'}; "
+                     f"not used by the model: {sorted(unexpected) or 'none'}")
     unwrap_model(model).load_state_dict(loaded["model"])
     if restore_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
