@@ -485,11 +485,26 @@ def _validate_moe(args: argparse.Namespace) -> None:
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert parallelism "
             "(experts spread over ranks) is not supported by heterogeneous plans yet; every "
             "replica holds all experts with --expert-model-parallel-size 1")
+    # As Megatron-LM: one value given is a plain value, several are one per balancing type.
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, name, value[0])
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if isinstance(types, list) != isinstance(coeffs, list) or (
+            isinstance(types, list) and len(types) != len(coeffs)):
+        raise HeteroError("--moe-aux-loss-coeff needs one value per --moe-router-load-balancing-type")
     if args.num_experts is None:
         return
     if args.num_experts < 1 or not 1 <= args.moe_router_topk <= args.num_experts:
         raise HeteroError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and "
                           f"--num-experts {args.num_experts}")
+    if args.add_bias_linear and args.transformer_impl != "transformer_engine":
+        raise HeteroError(
+            "--num-experts with bias terms (no --disable-bias-linear): megatron-core 0.16.1's local "
+            "expert MLP adds the bias in place to a tensor-parallel view and fails in autograd; "
+            "add --disable-bias-linear (as MoE recipes do) or use --transformer-impl "
+            "transformer_engine on GPUs")
     if args.add_bias_linear and args.tensor_model_parallel_size > 1:
         raise HeteroError("MoE with biases needs expert tensor-parallel size 1 (megatron-core); "
                           "with tensor parallelism add --disable-bias-linear")

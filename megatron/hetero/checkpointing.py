@@ -197,7 +197,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     if args.async_save:
         request.add_finalize_fn(publish)
         if _ASYNC_SAVES is None:
-            _ASYNC_SAVES = AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker)
+            # megatron-core's persistent writer binds a GPU; without one each save gets its
+            # own background writer process (megatron-core's default caller).
+            _ASYNC_SAVES = AsyncCallsQueue(
+                persistent=args.use_persistent_ckpt_worker and torch.cuda.is_available())
         _ASYNC_SAVES.schedule_async_request(request)
         return time.perf_counter() - start
     dist.barrier()

@@ -120,6 +120,19 @@ def _apply_reshardable_offsets() -> object:
     return sharded_param_state_fully_reshardable
 
 
+def _moe_router_without_te() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
+def _apply_moe_router_without_te() -> object:
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # the name its fallback branch tests for
+    return moe_utils.te_general_gemm
+
+
 def _apply_schedule_trace() -> object:
     from megatron.hetero.tracing import wrap_schedule_functions
 
@@ -160,6 +173,16 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_reshardable_offsets,
+    ),
+    Patch(
+        name="moe-router-without-te",
+        why=(
+            "the MoE router's gating GEMM tests `te_general_gemm is not None`, a name megatron-core "
+            "only defines when transformer-engine imports; without it every MoE forward raises "
+            "NameError. The name is defined as None, which selects megatron-core's own torch.mm path"
+        ),
+        needed=_moe_router_without_te,
+        apply=_apply_moe_router_without_te,
     ),
     Patch(
         name="schedule-trace",

@@ -391,6 +391,8 @@ class Trainer:
             if tracing:
                 torch.distributed.barrier()
                 TRACE.begin()
+            if args.async_save:  # as Megatron-LM: publish background saves that finished
+                finalize_pending_saves(blocking=False)
             start = time.perf_counter()
             global_batch_size = self.schedule.global_batch_size(consumed)
             losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator, global_batch_size)
