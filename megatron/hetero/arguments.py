@@ -175,6 +175,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                   help="TikTokenizer's split pattern (default v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -414,8 +417,8 @@ def validate_args(args: argparse.Namespace) -> None:
             raise HeteroError(f"{name} {value} is not divisible by the tensor-parallel size {tp}")
     if args.mock_data == bool(args.data_path):
         raise HeteroError("give exactly one of --mock-data or --data-path PREFIX [...]")
-    if args.tokenizer_type is None:
-        raise HeteroError("missing --tokenizer-type (e.g. NullTokenizer with --vocab-size N)")
+    if args.tokenizer_type is None:  # pretrain_gpt.py's default in Megatron-LM
+        args.tokenizer_type = "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise HeteroError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.split is None:

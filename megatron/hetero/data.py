@@ -64,6 +64,34 @@ def check_tokenizer(args: argparse.Namespace) -> None:
             raise HeteroError(f"{flag} {path}: no such file")
 
 
+def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str):
+    """Megatron-LM's GPT2BPETokenizer: byte-level BPE from exactly these two files.
+
+    megatron-core 0.16.1 builds it as HuggingFace's "gpt2" with the vocabulary overridden,
+    which fetches the rest from the Hub (and drops the merge file); here the two files are
+    staged as a local HuggingFace GPT-2 tokenizer, read by megatron-core's HuggingFace
+    wrapper, with <|endoftext|> as end of document as in Megatron-LM.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    directory = tempfile.mkdtemp(prefix="gpt2_bpe_")
+    shutil.copyfile(vocab_file, os.path.join(directory, "vocab.json"))
+    shutil.copyfile(merge_file, os.path.join(directory, "merges.txt"))
+    eod = "<|endoftext|>"
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "bos_token": eod, "eos_token": eod,
+                   "unk_token": eod, "add_prefix_space": False}, handle)
+    try:
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=directory, metadata_path={"library": "huggingface"}, use_fast=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def build_tokenizer(args: argparse.Namespace):
     """megatron-core's tokenizer factory, fed the Megatron-LM flags it reads."""
     check_tokenizer(args)
@@ -79,10 +107,12 @@ def build_tokenizer(args: argparse.Namespace):
         tokenizer_hf_include_special_tokens=False,
         tokenizer_sentencepiece_legacy=False,
         trust_remote_code=False,
-        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
-        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
     )
     try:
+        if args.tokenizer_type == "GPT2BPETokenizer":
+            return _gpt2_bpe_tokenizer(args.vocab_file, args.merge_file)
         return _mcore_build(options)
     except (OSError, AssertionError, ValueError) as err:
         raise HeteroError(
