@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
@@ -289,7 +290,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     if args.ckpt_fully_parallel_load:
         strategy = FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-    loaded = dist_checkpointing.load(state, str(directory), strategy, strict=args.dist_ckpt_strictness)
+    try:
+        loaded = dist_checkpointing.load(state, str(directory), strategy, strict=args.dist_ckpt_strictness)
+    except CheckpointingException as err:
+        first = str(err).strip().splitlines()[0][:400]
+        raise HeteroError(
+            f"loading {directory} with --dist-ckpt-strictness {args.dist_ckpt_strictness}: the "
+            f"checkpoint and this run do not hold the same tensors ({first} ...); with --no-load-optim, "
+            "--finetune or --skip-train the optimizer state is not loaded, which the raise_* modes "
+            "count as unexpected: use assume_ok_unexpected (the default) or log_all") from None
     if StrictHandling(args.dist_ckpt_strictness) in (StrictHandling.RETURN_UNEXPECTED,
                                                      StrictHandling.RETURN_ALL):
         loaded, missing, unexpected = loaded

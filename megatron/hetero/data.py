@@ -70,26 +70,34 @@ def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str):
     megatron-core 0.16.1 builds it as HuggingFace's "gpt2" with the vocabulary overridden,
     which fetches the rest from the Hub (and drops the merge file); here the two files are
     staged as a local HuggingFace GPT-2 tokenizer, read by megatron-core's HuggingFace
-    wrapper, with <|endoftext|> as end of document as in Megatron-LM.
+    wrapper, with <|endoftext|> as end of document as in Megatron-LM. The staging directory
+    is named by the files' content: every rank builds the same tokenizer description, so
+    the dataset index caches (keyed by it) are shared.
     """
+    import hashlib
     import json
-    import shutil
     import tempfile
 
     from megatron.core.tokenizers import MegatronTokenizer
 
-    directory = tempfile.mkdtemp(prefix="gpt2_bpe_")
-    shutil.copyfile(vocab_file, os.path.join(directory, "vocab.json"))
-    shutil.copyfile(merge_file, os.path.join(directory, "merges.txt"))
+    with open(vocab_file, "rb") as vocab, open(merge_file, "rb") as merges:
+        contents = {"vocab.json": vocab.read(), "merges.txt": merges.read()}
     eod = "<|endoftext|>"
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
-        json.dump({"tokenizer_class": "GPT2Tokenizer", "bos_token": eod, "eos_token": eod,
-                   "unk_token": eod, "add_prefix_space": False}, handle)
-    try:
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=directory, metadata_path={"library": "huggingface"}, use_fast=True)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    contents["tokenizer_config.json"] = json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eod, "eos_token": eod,
+         "unk_token": eod, "add_prefix_space": False}).encode()
+    digest = hashlib.sha256(b"".join(contents.values())).hexdigest()[:16]
+    directory = os.path.join(tempfile.gettempdir(), f"megatron-hetero-gpt2-bpe-{digest}")
+    os.makedirs(directory, exist_ok=True)
+    for name, data in contents.items():
+        target = os.path.join(directory, name)
+        if not os.path.exists(target):  # ranks of one host may race: write, then rename
+            staging = f"{target}.{os.getpid()}.tmp"
+            with open(staging, "wb") as handle:
+                handle.write(data)
+            os.replace(staging, target)
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=directory, metadata_path={"library": "huggingface"}, use_fast=True)
 
 
 def build_tokenizer(args: argparse.Namespace):
