@@ -59,9 +59,19 @@ setup(
         # megatron-core's checkpoint writer needs it but does not declare it (its forked
         # writer processes die without it and the save then waits forever).
         "psutil>=5.9",
+        # --tensorboard-dir: torch's SummaryWriter writes the events, tensorboard reads them.
+        "tensorboard>=2.14",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        # Megatron-LM's tokenizers, each through its own package (an error names the one missing):
+        # GPT2BPETokenizer and HuggingFaceTokenizer, SentencePiece/Llama2, TikTokenizer.
+        "tokenizers": ["transformers>=4.40", "tokenizers>=0.15"],
+        "sentencepiece": ["sentencepiece>=0.2"],
+        "tiktoken": ["tiktoken>=0.7"],
+        "wandb": ["wandb>=0.16"],
+        # The tests build tiny tokenizers of every kind and log to W&B offline.
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "transformers>=4.40", "tokenizers>=0.15",
+                 "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

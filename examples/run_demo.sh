@@ -37,7 +37,7 @@ TRAINING_ARGS=(
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --seed 1234
 )
 DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 2047 --num-workers 0)
-OUTPUT_ARGS=(--log-interval 5 --eval-interval 15 --eval-iters 2)
+OUTPUT_ARGS=(--log-interval 5 --log-throughput --eval-interval 15 --eval-iters 2)
 
 ARGS=("${GPT_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}")
 if [ "${EMULATE:-1}" = 1 ] && python -c "import sys; from tools.emulator import EmulatedCluster as E; m = E.missing_prerequisites(); print('emulator unavailable: ' + '; '.join(m) + ' -> running unshaped', file=sys.stderr) if m else None; sys.exit(1 if m else 0)"; then

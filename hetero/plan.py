@@ -196,6 +196,33 @@ class Plan(BaseModel):
         """Index, within an iteration's global batch, of replica dp_rank's first micro-batch."""
         return sum(replica.num_micro_batches for replica in self.replicas[:dp_rank])
 
+    def split_micro_batches(self, global_batch_size: int) -> list[int]:
+        """Micro-batches per replica for an iteration of global_batch_size samples (a ramp
+        step of --rampup-batch-size): the plan's proportions, rounded to whole micro-batches
+        by the largest-remainder rule (ties to the lower replica index). The plan's own global
+        batch gives back the plan's counts exactly."""
+        if global_batch_size % self.micro_batch_size:
+            raise PlanError(
+                f"a global batch of {global_batch_size} samples is not a whole number of "
+                f"micro-batches of {self.micro_batch_size}"
+            )
+        total = global_batch_size // self.micro_batch_size
+        weights = [replica.num_micro_batches for replica in self.replicas]
+        quotas = [total * w for w in weights]  # in units of 1/sum(weights)
+        counts = [q // self.num_micro_batches for q in quotas]
+        by_remainder = sorted(range(len(weights)),
+                              key=lambda d: (-(quotas[d] % self.num_micro_batches), d))
+        for d in by_remainder[: total - sum(counts)]:
+            counts[d] += 1
+        if min(counts) == 0:
+            raise PlanError(
+                f"a global batch of {global_batch_size} samples ({total} micro-batches) leaves "
+                f"replica {counts.index(0)} without a micro-batch under the plan's split "
+                f"{weights}; every replica must run at least one: start the batch-size ramp "
+                "higher (--rampup-batch-size START ...)"
+            )
+        return counts
+
     def pipeline_layout(self) -> list[list[str]]:
         """The stage split in megatron-core's ``pipeline_model_parallel_layout`` form."""
         layout = [["decoder"] * stage.num_layers for stage in self.stages]

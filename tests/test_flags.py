@@ -78,11 +78,9 @@ def test_our_own_flags_are_megatrons_or_listed_as_ours():
     assert ours == set(flags.HETERO_FLAGS)
 
 
-@pytest.mark.parametrize("flag", ["--fp8-format", "--use-mcore-models", "--sequence-parallel",
-                                  *list(flag_catalog.features_branch_reasons())[:1]])
+@pytest.mark.parametrize("flag", ["--fp8-format", "--use-mcore-models", "--sequence-parallel"])
 def test_a_flag_both_honoured_and_catalogued_is_an_error(flag):
-    """What the features branch's merge must get right: defining a flag in arguments.py
-    while its catalog entry stays is caught, naming the flag."""
+    """Defining a flag in arguments.py while its catalog entry stays is caught, naming it."""
     honoured = flags.defined_options(PARSER) | {flag}
     with pytest.raises(RuntimeError, match=f"honoured by arguments.py AND listed.*{flag}"):
         flags.check_registry(honoured)

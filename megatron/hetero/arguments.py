@@ -47,15 +47,22 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", default="learned_absolute",
                    choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="deprecated: only valid with --position-embedding-type rope (where it "
+                        "changes nothing), as in Megatron-LM")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="deprecated alias of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rotate interleaved pairs of channels instead of the two halves")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--apply-layernorm-1p", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="squared ReLU activation instead of GELU (not with --swiglu)")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -75,6 +82,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train on this many samples instead of --train-iters iterations")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "RAMPUP_SAMPLES"),
+                   help="grow the global batch from START by INCREMENT to --global-batch-size "
+                        "over RAMPUP_SAMPLES samples; each step's batch is split across the plan's "
+                        "replicas in the plan's proportions")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--lr", type=float, default=None)
@@ -82,12 +96,22 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="learning rate of the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of the input embedding and output layer")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="take the learning-rate schedule from the checkpoint, not the flags")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--start-weight-decay", type=float, default=None)
     g.add_argument("--end-weight-decay", type=float, default=None)
@@ -116,6 +140,26 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    metavar="SIGNAL", help="the signal --exit-signal-handler acts on (default SIGTERM)")
 
 
+def _add_run_control_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("run control")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None,
+                   help="save (with --save) and exit after this many minutes of training")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="deterministic algorithms only (torch.use_deterministic_algorithms)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="disable Python's automatic garbage collector; collect at fixed points")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every N iterations (0: never during training)")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
+                   help="with --manual-gc: do not collect before and after each evaluation")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="release cached accelerator memory each iteration: 0 off, 1 after the "
+                        "forward/backward, 2 also after the optimizer step")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: evaluate on the validation and test sets and exit")
+
+
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--mock-data", action="store_true")
@@ -127,6 +171,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="let attention build its causal mask instead of the dataloader")
     g.add_argument("--tokenizer-type", default=None,
                    choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
                             "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
@@ -135,6 +182,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                   help="TikTokenizer's split pattern (default v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +193,24 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true",
-                   help="accepted; throughput is always logged")
+                   help="add the TFLOP/s per device to the iteration line")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: iteration time only; 1: also forward-backward, gradient reduction "
+                        "and optimizer times; 2: the same (finer timers need GPU events)")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", default=None,
+                   help="log to Weights & Biases (the wandb extra; WANDB_MODE=offline works)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None, help="default: SAVE/wandb")
+    g.add_argument("--wandb-entity", default=None)
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
 
@@ -162,6 +229,26 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration from --load instead of the latest")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="read the format from the checkpoint (torch_dist is the one we write)")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                            "raise_all", "return_unexpected", "return_all", "ignore_all"],
+                   help="what loading does with keys the checkpoint and the model do not share")
+    g.add_argument("--no-ckpt-fully-parallel-save", "--disable-ckpt-fully-parallel-save",
+                   action="store_false", dest="ckpt_fully_parallel_save",
+                   help="do not spread the writing of replicated tensors over data-parallel ranks")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   dest="ckpt_fully_parallel_save_deprecated",
+                   help="deprecated: the default (see --no-ckpt-fully-parallel-save)")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="spread the reading of replicated tensors over data-parallel ranks")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="one background checkpoint writer for the whole run")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="optimizer state re-shardable over TP/PP/DP (always the case here)")
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +262,22 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-cpu-initialization", action="store_true")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="set by old launchers; the LOCAL_RANK environment variable wins")
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (default: a dense model)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="all experts of a layer in one grouped GEMM (needs a GPU build)")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather",
+                   choices=["allgather", "alltoall", "flex"])
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="only 1 for now (experts replicated in every data-parallel replica)")
 
 
 def _add_hetero_args(parser: argparse.ArgumentParser) -> None:
@@ -191,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s [flags of Megatron-LM's pretrain_gpt.py] [--hetero-plan PLAN.json]",
         allow_abbrev=False,
     )
-    for add in (_add_model_args, _add_training_args, _add_data_args, _add_logging_args,
-                _add_checkpoint_args, _add_distributed_args, _add_hetero_args):
+    for add in (_add_model_args, _add_training_args, _add_run_control_args, _add_data_args,
+                _add_logging_args, _add_checkpoint_args, _add_distributed_args, _add_moe_args,
+                _add_hetero_args):
         add(parser)
     flags.add_megatron_flags(parser)  # the rest of Megatron-LM's flags: no-op or refused
     return parser
@@ -273,7 +377,11 @@ def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
     flags.judge_after_plan(args)  # --sequence-parallel: a no-op only at tensor-parallel size 1
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-             "micro_batch_size", "global_batch_size", "train_iters", "lr")
+             "micro_batch_size", "global_batch_size", "lr")
+    _validate_schedule(args)
+    _validate_model_shape(args)
+    _validate_moe(args)
+    _validate_logging_and_checkpoints(args)
     if args.bf16 and args.fp16:
         raise HeteroError("--bf16 and --fp16 are mutually exclusive; pick one")
     if args.use_rotary_position_embeddings:
@@ -308,29 +416,144 @@ def validate_args(args: argparse.Namespace) -> None:
             raise HeteroError(f"{name} {value} is not divisible by the tensor-parallel size {tp}")
     if args.mock_data == bool(args.data_path):
         raise HeteroError("give exactly one of --mock-data or --data-path PREFIX [...]")
-    if args.tokenizer_type is None:
-        raise HeteroError("missing --tokenizer-type (e.g. NullTokenizer with --vocab-size N)")
+    if args.tokenizer_type is None:  # pretrain_gpt.py's default in Megatron-LM
+        args.tokenizer_type = "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise HeteroError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.split is None:
         args.split = "969, 30, 1"
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise HeteroError("give only one of --lr-warmup-fraction and --lr-warmup-iters")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        raise HeteroError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
+        raise HeteroError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
-    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
+    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval",
+                 "tensorboard_log_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise HeteroError(f"--{name.replace('_', '-')} must be at least 1")
     if args.save_interval is not None and args.save is None:
         raise HeteroError("--save-interval needs --save DIR (where to write the checkpoints)")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """Iteration- or sample-based training, as Megatron-LM: one unit for all schedule flags."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise HeteroError("give exactly one of --train-iters and --train-samples")
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    mixed = [f"--lr-{kind}-{other}" for kind in ("decay", "warmup", "wsd-decay")
+             if getattr(args, f"lr_{kind.replace('-', '_')}_{other}")]
+    if mixed:
+        raise HeteroError(
+            f"{', '.join(mixed)} with --train-{unit}: Megatron-LM counts every schedule in one "
+            f"unit; use --lr-*-{unit} with --train-{unit}")
+    warmup = args.lr_warmup_samples if by_samples else args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None and warmup:
+        raise HeteroError(f"give only one of --lr-warmup-fraction and --lr-warmup-{unit}")
+    if args.rampup_batch_size is not None:
+        start, increment, samples = args.rampup_batch_size
+        if start < 1 or increment < 1 or samples < 0:
+            raise HeteroError(
+                f"--rampup-batch-size {start} {increment} {samples}: the start batch and the "
+                "increment must be positive, the ramp-up samples non-negative")
+        if start > args.global_batch_size or (args.global_batch_size - start) % increment:
+            raise HeteroError(
+                f"--rampup-batch-size {start} {increment} {samples}: --global-batch-size "
+                f"{args.global_batch_size} must be START plus a whole number of INCREMENTs")
+        steps = range(start, args.global_batch_size + 1, increment)
+        uneven = [b for b in steps if b % args.micro_batch_size]
+        if uneven:
+            raise HeteroError(
+                f"--rampup-batch-size: ramp batch sizes {uneven[:4]} are not multiples of the "
+                f"micro-batch size {args.micro_batch_size}; choose START and INCREMENT as "
+                "multiples of it")
+
+
+def _validate_model_shape(args: argparse.Namespace) -> None:
+    if args.squared_relu and args.swiglu:
+        raise HeteroError("--squared-relu and --swiglu are two activations; pick one")
+    if not args.add_position_embedding and args.position_embedding_type != "rope" and not (
+            args.use_rotary_position_embeddings):
+        raise HeteroError("--no-position-embedding is deprecated (Megatron-LM accepts it only with "
+                          "--position-embedding-type rope); use --position-embedding-type none")
+
+
+def _validate_moe(args: argparse.Namespace) -> None:
+    if args.expert_model_parallel_size != 1:
+        raise HeteroError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert parallelism "
+            "(experts spread over ranks) is not supported by heterogeneous plans yet; every "
+            "replica holds all experts with --expert-model-parallel-size 1")
+    # As Megatron-LM: one value given is a plain value, several are one per balancing type.
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, name, value[0])
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if isinstance(types, list) != isinstance(coeffs, list) or (
+            isinstance(types, list) and len(types) != len(coeffs)):
+        raise HeteroError("--moe-aux-loss-coeff needs one value per --moe-router-load-balancing-type")
+    if args.num_experts is None:
+        return
+    if args.num_experts < 1 or not 1 <= args.moe_router_topk <= args.num_experts:
+        raise HeteroError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and "
+                          f"--num-experts {args.num_experts}")
+    if args.add_bias_linear and args.transformer_impl != "transformer_engine":
+        raise HeteroError(
+            "--num-experts with bias terms (no --disable-bias-linear): megatron-core 0.16.1's local "
+            "expert MLP adds the bias in place to a tensor-parallel view and fails in autograd; "
+            "add --disable-bias-linear (as MoE recipes do) or use --transformer-impl "
+            "transformer_engine on GPUs")
+    if args.add_bias_linear and args.tensor_model_parallel_size > 1:
+        raise HeteroError("MoE with biases needs expert tensor-parallel size 1 (megatron-core); "
+                          "with tensor parallelism add --disable-bias-linear")
+    if args.moe_token_dispatcher_type == "flex":
+        raise HeteroError("--moe-token-dispatcher-type flex needs DeepEP on NVIDIA GPUs; use "
+                          "alltoall or allgather")
+    if args.moe_grouped_gemm and not grouped_gemm_available():
+        raise HeteroError(
+            "--moe-grouped-gemm needs transformer-engine (TEGroupedMLP) on a GPU or the "
+            "grouped_gemm package; neither is available here - remove the flag (the experts then "
+            "run one after another, same result)")
+
+
+def grouped_gemm_available() -> bool:
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return any(importlib.util.find_spec(name) is not None
+               for name in ("transformer_engine", "grouped_gemm"))
+
+
+def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
+    if args.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise HeteroError("--wandb-project needs the wandb package: pip install wandb "
+                              "(or megatron-hetero[wandb])")
+        if args.wandb_save_dir is None and args.save is None:
+            raise HeteroError("--wandb-project needs --wandb-save-dir DIR or --save DIR (W&B "
+                              "writes to SAVE/wandb by default)")
+    args.startup_notes = []
+    if args.async_save and not args.use_persistent_ckpt_worker:
+        # Megatron-LM 0.16's rule, kept so a recipe behaves as it does there.
+        args.async_save = False
+        args.startup_notes.append("--async-save is not supported without "
+                                  "--use-persistent-ckpt-worker. Disabling --async-save.")
+    if args.ckpt_fully_parallel_save_deprecated:
+        args.startup_notes.append("--ckpt-fully-parallel-save flag is deprecated and has no effect. "
+                                  "Use --no-ckpt-fully-parallel-save to disable parallel save.")
+    if args.manual_gc_interval < 0:
+        raise HeteroError("--manual-gc-interval must be at least 0")
+    if args.skip_train:
+        args.no_load_optim = True  # as Megatron-LM: evaluation needs no optimizer state
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

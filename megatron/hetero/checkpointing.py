@@ -16,7 +16,14 @@ checkpoint; a leftover .tmp directory is never read and is removed by the next s
 save that fails on any rank (a full or read-only disk) fails on every rank with the
 reason, before anything is renamed. At --load the manifest is checked, so a truncated or
 corrupted file is named instead of failing deep inside torch; --ckpt-step N loads an
-older iteration.
+older iteration. With --async-save the tensors are written in the background and the
+manifest, rename and tracker update run as the save's finalization, once every rank's
+write has completed.
+
+Megatron-LM's checkpoint flags are passed on to megatron-core: --ckpt-fully-parallel-save
+(the default; --no-ckpt-fully-parallel-save turns it off) and --ckpt-fully-parallel-load
+spread the replicated tensors over the data-parallel ranks, --dist-ckpt-strictness says
+what loading does with keys only one side has.
 """
 
 from __future__ import annotations
@@ -35,6 +42,17 @@ import torch.distributed as dist
 from hetero.errors import HeteroError
 from hetero.plan import Plan, write_json_atomic
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
@@ -204,14 +222,43 @@ def _rank_0_step(step, what: str, root: str | None = None) -> None:
         except Exception as err:
             failure = _describe(err, root)
     _failures_everywhere(failure, what)
+# Background checkpoint writes (--async-save); created at the first one.
+_ASYNC_SAVES: AsyncCallsQueue | None = None
+
+
+def finalize_pending_saves(blocking: bool = True) -> None:
+    """Completes background saves (rename + tracker); blocking waits for all of them. A
+    collective: every rank calls it at the same points."""
+    if _ASYNC_SAVES is None:
+        return
+    if blocking and _ASYNC_SAVES.get_num_unfinalized_calls():
+        print_rank_0("Unfinalized async checkpoint saves. Finalizing them synchronously now.")
+    _ASYNC_SAVES.maybe_finalize_async_calls(blocking=blocking)
+    if blocking:
+        _ASYNC_SAVES.close()
+
+
+def _save_strategy(args: argparse.Namespace):
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if args.ckpt_fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                     args: argparse.Namespace, plan: Plan) -> float:
-    """Writes iteration's checkpoint atomically; returns the seconds it took. A failure
-    on any rank is a HeteroError on every rank; the previous checkpoint stays current."""
+    """Writes iteration's checkpoint atomically; returns the seconds it took (until the
+    background write started, with --async-save). A failure on any rank is a HeteroError
+    on every rank; the previous checkpoint stays current."""
+    global _ASYNC_SAVES
     start = time.perf_counter()
     final, staging = iteration_dir(root, iteration), Path(f"{iteration_dir(root, iteration)}.tmp")
+    if args.async_save:
+        finalize_pending_saves(blocking=False)
+        if _ASYNC_SAVES is not None and _ASYNC_SAVES.get_num_unfinalized_calls():
+            # One save in flight at a time: the next one may remove stale .tmp directories.
+            _ASYNC_SAVES.maybe_finalize_async_calls(blocking=True)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root} in torch_dist format")
     previous = latest_iteration(root) if Path(root).is_dir() else None
     kept = (f"the checkpoint of iteration {previous} and {TRACKER} are untouched" if previous is not None
@@ -227,15 +274,32 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                    "distributed_optimizer": bool(args.use_distributed_optimizer)},
     })
     try:
-        dist_checkpointing.save(state, str(staging))
+        request = dist_checkpointing.save(state, str(staging), _save_strategy(args),
+                                          async_sharded_save=args.async_save)
     except Exception as err:
         # Not always raised on every rank (the coordinator writes some files alone, while
         # the others wait in megatron-core's gather): the caller publishes it to the job.
         raise HeteroError(f"{what} failed on rank {dist.get_rank()}: {_describe(err, root)}") from None
-    _rank_0_step(lambda: _publish(root, iteration, staging, final, plan), what, root)
+    layout = f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ]"
+
+    def publish() -> None:
+        """After every rank's write: manifest, rename iter_N.tmp -> iter_N, then the tracker."""
+        _rank_0_step(lambda: _publish(root, iteration, staging, final, plan), what, root)
+        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} {layout}")
+
+    if args.async_save:
+        request.add_finalize_fn(publish)
+        if _ASYNC_SAVES is None:
+            # megatron-core's persistent writer binds a GPU; without one each save gets its
+            # own background writer process (megatron-core's default caller).
+            _ASYNC_SAVES = AsyncCallsQueue(
+                persistent=args.use_persistent_ckpt_worker and torch.cuda.is_available())
+        _ASYNC_SAVES.schedule_async_request(request)
+        return time.perf_counter() - start
+    dist.barrier()  # every rank's files are written
+    publish()
     seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} "
-                 f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ] ({seconds:.2f} s)")
+    print_rank_0(f"  checkpoint of iteration {iteration:7d} written in {seconds:.2f} s")
     return seconds
 
 
@@ -247,6 +311,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_format(root: str, args: argparse.Namespace) -> None:
+    """Only megatron-core's distributed format (torch_dist) is read; say so for the legacy
+    per-rank torch format (mp_rank_* files) instead of failing inside megatron-core."""
+    directory = Path(root)
+    legacy = any(directory.glob("iter_*/mp_rank_*")) or any(directory.glob("release/mp_rank_*"))
+    if legacy:
+        raise HeteroError(
+            f"{root} holds a checkpoint in Megatron-LM's legacy torch format (mp_rank_* files); "
+            "Megatron-Hetero reads the distributed torch_dist format: convert it with Megatron-LM's "
+            "tools/checkpoint (--ckpt-convert-format torch_dist) first")
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> tuple[int, float]:
     """Restores the latest checkpoint under root; (iteration, seconds), or (0, 0) if none.
 
@@ -254,6 +330,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     if never stopped. Under another layout (re-planned) the tensors are re-sharded; the
     per-rank RNG streams have no counterpart and are left as seeded.
     """
+    _check_format(root, args)
     iteration = _iteration_to_load(root, args.ckpt_step)
     if iteration is None:
         print_rank_0(f"WARNING: no checkpoint in {root} ({TRACKER} not found); starting from scratch")
@@ -287,7 +364,24 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
     state = _state(model, optimizer, scheduler, loading=True, optimizer_state=restore_optimizer,
                    rng=restore_rng)
-    loaded = dist_checkpointing.load(state, str(directory))
+    strategy = get_default_load_sharded_strategy(str(directory))
+    if args.ckpt_fully_parallel_load:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    try:
+        loaded = dist_checkpointing.load(state, str(directory), strategy, strict=args.dist_ckpt_strictness)
+    except CheckpointingException as err:
+        first = str(err).strip().splitlines()[0][:400]
+        raise HeteroError(
+            f"loading {directory} with --dist-ckpt-strictness {args.dist_ckpt_strictness}: the "
+            f"checkpoint and this run do not hold the same tensors ({first} ...); with --no-load-optim, "
+            "--finetune or --skip-train the optimizer state is not loaded, which the raise_* modes "
+            "count as unexpected: use assume_ok_unexpected (the default) or log_all") from None
+    if StrictHandling(args.dist_ckpt_strictness) in (StrictHandling.RETURN_UNEXPECTED,
+                                                     StrictHandling.RETURN_ALL):
+        loaded, missing, unexpected = loaded
+        print_rank_0(f"  checkpoint keys missing from the checkpoint: {sorted(missing) or 'none'}; "
+                     f"not used by the model: {sorted(unexpected) or 'none'}")
     unwrap_model(model).load_state_dict(loaded["model"])
     if restore_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])

@@ -11,7 +11,10 @@ process we reinterpret "cuda" as "this process's compute device", which is the C
 - ``torch.cuda`` helpers that megatron calls unconditionally (``current_device``,
   ``synchronize``, ``empty_cache``, the RNG state functions) act on the CPU;
 - megatron's own RNG tracker helpers act on the CPU generator, so the model-parallel RNG
-  tracker (used for dropout under tensor parallelism) keeps its meaning.
+  tracker (used for dropout under tensor parallelism) keeps its meaning;
+- CUDA streams and events (the MoE all-to-all dispatcher copies its token counts to the
+  host on a side stream) are the CPU's single in-order stream: waiting and synchronizing
+  are no-ops because every operation has already completed when the next one starts.
 
 Nothing here is active on a process that has a GPU.
 """
@@ -76,6 +79,52 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
 _active_mode: CudaAsCpuMode | None = None
 
 
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _HostStream:
+    """The CPU's one in-order stream: every instance is the same stream."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _HostStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _OnHostStream:
+    """``with torch.cuda.stream(s):`` on the CPU: nothing to switch."""
+
+    def __init__(self, stream=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 def enable_cpu_device() -> list[str]:
     """Installs the CPU reinterpretation of CUDA for the rest of the process.
 
@@ -101,6 +150,10 @@ def enable_cpu_device() -> list[str]:
         (mcore_random, "_set_cuda_rng_state"): _cpu_set_rng_state,
         (torch.cuda.nvtx, "range_push"): lambda *a, **k: None,
         (torch.cuda.nvtx, "range_pop"): lambda *a, **k: None,
+        (torch.cuda, "Stream"): _HostStream,
+        (torch.cuda, "Event"): lambda *a, **k: _HostEvent(),
+        (torch.cuda, "current_stream"): lambda *a, **k: _HostStream(),
+        (torch.cuda, "stream"): _OnHostStream,
     }
     for (owner, name), replacement in replaced.items():
         setattr(owner, name, replacement)

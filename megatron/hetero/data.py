@@ -1,7 +1,7 @@
 """Tokenizer, datasets and the per-replica sample order.
 
-Iteration i consumes samples [i*G, (i+1)*G) of the dataset (G = global batch size)
-whatever the plan: replica d takes the contiguous slice that starts after the
+Iteration i consumes the next global batch of samples, [i*G, (i+1)*G) of the dataset
+(G = global batch size; with --rampup-batch-size the sizes of the ramp) whatever the plan: replica d takes the contiguous slice that starts after the
 micro-batches of replicas 0..d-1. So the same global batch is trained on, and the same
 update made, under any split of micro-batches between replicas.
 """
@@ -25,10 +25,86 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as _mcore_build
+from megatron.hetero.batch_schedule import BatchSchedule
+
+
+# The package each tokenizer type needs (optional extras of megatron-hetero).
+TOKENIZER_PACKAGES = {
+    "GPT2BPETokenizer": ("transformers", "tokenizers"),
+    "HuggingFaceTokenizer": ("transformers", "tokenizers"),
+    "SentencePieceTokenizer": ("sentencepiece", "sentencepiece"),
+    "GPTSentencePieceTokenizer": ("sentencepiece", "sentencepiece"),
+    "Llama2Tokenizer": ("sentencepiece", "sentencepiece"),
+    "TikTokenizer": ("tiktoken", "tiktoken"),
+}
+# The files each tokenizer type reads.
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+}
+
+
+def check_tokenizer(args: argparse.Namespace) -> None:
+    """The package and files the tokenizer needs, checked before start-up."""
+    import importlib.util
+
+    package, extra = TOKENIZER_PACKAGES.get(args.tokenizer_type, (None, None))
+    if package and importlib.util.find_spec(package) is None:
+        raise HeteroError(
+            f"--tokenizer-type {args.tokenizer_type} needs the {package} package: "
+            f"pip install {package} (or megatron-hetero[{extra}])")
+    for name in TOKENIZER_FILES.get(args.tokenizer_type, ()):
+        flag = "--" + name.replace("_", "-")
+        path = getattr(args, name)
+        if path is None:
+            raise HeteroError(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
+        if args.tokenizer_type != "HuggingFaceTokenizer" and not os.path.exists(path):
+            raise HeteroError(f"{flag} {path}: no such file")
+
+
+def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str):
+    """Megatron-LM's GPT2BPETokenizer: byte-level BPE from exactly these two files.
+
+    megatron-core 0.16.1 builds it as HuggingFace's "gpt2" with the vocabulary overridden,
+    which fetches the rest from the Hub (and drops the merge file); here the two files are
+    staged as a local HuggingFace GPT-2 tokenizer, read by megatron-core's HuggingFace
+    wrapper, with <|endoftext|> as end of document as in Megatron-LM. The staging directory
+    is named by the files' content: every rank builds the same tokenizer description, so
+    the dataset index caches (keyed by it) are shared.
+    """
+    import hashlib
+    import json
+    import tempfile
+
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    with open(vocab_file, "rb") as vocab, open(merge_file, "rb") as merges:
+        contents = {"vocab.json": vocab.read(), "merges.txt": merges.read()}
+    eod = "<|endoftext|>"
+    contents["tokenizer_config.json"] = json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eod, "eos_token": eod,
+         "unk_token": eod, "add_prefix_space": False}).encode()
+    digest = hashlib.sha256(b"".join(contents.values())).hexdigest()[:16]
+    directory = os.path.join(tempfile.gettempdir(), f"megatron-hetero-gpt2-bpe-{digest}")
+    os.makedirs(directory, exist_ok=True)
+    for name, data in contents.items():
+        target = os.path.join(directory, name)
+        if not os.path.exists(target):  # ranks of one host may race: write, then rename
+            staging = f"{target}.{os.getpid()}.tmp"
+            with open(staging, "wb") as handle:
+                handle.write(data)
+            os.replace(staging, target)
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=directory, metadata_path={"library": "huggingface"}, use_fast=True)
 
 
 def build_tokenizer(args: argparse.Namespace):
     """megatron-core's tokenizer factory, fed the Megatron-LM flags it reads."""
+    check_tokenizer(args)
     options = SimpleNamespace(
         tokenizer_type=args.tokenizer_type,
         vocab_size=args.vocab_size,
@@ -41,10 +117,12 @@ def build_tokenizer(args: argparse.Namespace):
         tokenizer_hf_include_special_tokens=False,
         tokenizer_sentencepiece_legacy=False,
         trust_remote_code=False,
-        tiktoken_pattern=None,
-        tiktoken_num_special_tokens=1000,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
     )
     try:
+        if args.tokenizer_type == "GPT2BPETokenizer":
+            return _gpt2_bpe_tokenizer(args.vocab_file, args.merge_file)
         return _mcore_build(options)
     except (OSError, AssertionError, ValueError) as err:
         raise HeteroError(
@@ -109,17 +187,17 @@ def check_splits_can_serve(args: argparse.Namespace) -> None:
             )
 
 
-def num_samples_per_split(args: argparse.Namespace) -> list[int]:
+def num_samples_per_split(args: argparse.Namespace, train_samples: int) -> list[int]:
     """Samples the run will read from train / validation / test (Megatron-LM's count)."""
     evaluations = args.train_iters // args.eval_interval + 1
     return [
-        args.train_iters * args.global_batch_size,
+        train_samples,
         evaluations * args.eval_iters * args.global_batch_size,
         args.eval_iters * args.global_batch_size,
     ]
 
 
-def build_datasets(args: argparse.Namespace, tokenizer):
+def build_datasets(args: argparse.Namespace, tokenizer, train_samples: int):
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -131,13 +209,15 @@ def build_datasets(args: argparse.Namespace, tokenizer):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.reset_attention_mask,
+        # Megatron-LM's default builds the causal mask in the dataloader; the flag
+        # --no-create-attention-mask-in-dataloader leaves it to attention.
+        create_attention_mask=args.create_attention_mask_in_dataloader or args.reset_attention_mask,
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
 
     def build():
         return BlendedMegatronDatasetBuilder(
-            dataset_type, num_samples_per_split(args), lambda: True, config
+            dataset_type, num_samples_per_split(args, train_samples), lambda: True, config
         ).build()
 
     # With an on-disk index cache, rank 0 writes it first and the others read it.
@@ -152,25 +232,34 @@ def build_datasets(args: argparse.Namespace, tokenizer):
 
 
 class ReplicaBatchSampler:
-    """Index lists of this replica's micro-batches, iteration after iteration."""
+    """Index lists of this replica's micro-batches, iteration after iteration.
 
-    def __init__(self, dataset_size: int, plan: Plan, dp_rank: int, start_iteration: int = 0):
+    Iteration i reads samples [consumed(i), consumed(i) + G(i)) whatever the plan; replica d
+    takes its micro-batches' share after those of replicas 0..d-1. G is the plan's global
+    batch, or the ramp step's with --rampup-batch-size (split in the plan's proportions).
+    """
+
+    def __init__(self, dataset_size: int, plan: Plan, dp_rank: int, start_iteration: int = 0,
+                 schedule: BatchSchedule | None = None):
         self.dataset_size = dataset_size
         self.micro_batch_size = plan.micro_batch_size
-        self.global_batch_size = plan.global_batch_size
-        self.offset = plan.first_micro_batch(dp_rank) * plan.micro_batch_size
-        self.num_micro_batches = plan.replicas[dp_rank].num_micro_batches
+        self.dp_rank = dp_rank
+        self.schedule = schedule or BatchSchedule(plan)
         self.start_iteration = start_iteration
 
     def __iter__(self) -> Iterator[list[int]]:
         # Whole iterations only: a replica must never run while another has run dry.
-        iteration = self.start_iteration
-        while (iteration + 1) * self.global_batch_size <= self.dataset_size:
-            base = iteration * self.global_batch_size + self.offset
-            for m in range(self.num_micro_batches):
-                first = base + m * self.micro_batch_size
-                yield list(range(first, first + self.micro_batch_size))
-            iteration += 1
+        consumed = self.schedule.consumed_samples(self.start_iteration)
+        while True:
+            global_batch = self.schedule.global_batch_size(consumed)
+            if consumed + global_batch > self.dataset_size:
+                return
+            counts = self.schedule.micro_batches(global_batch)
+            first = consumed + sum(counts[: self.dp_rank]) * self.micro_batch_size
+            for m in range(counts[self.dp_rank]):
+                start = first + m * self.micro_batch_size
+                yield list(range(start, start + self.micro_batch_size))
+            consumed += global_batch
 
 
 def reset_signals_in_worker(_worker_id: int = 0) -> None:
@@ -188,13 +277,14 @@ def needs_data() -> bool:
 
 
 def micro_batch_iterator(
-    dataset, plan: Plan, num_workers: int, start_iteration: int = 0
+    dataset, plan: Plan, num_workers: int, start_iteration: int = 0,
+    schedule: BatchSchedule | None = None,
 ) -> Iterator[dict] | None:
     """This rank's micro-batches (None on stages that take no data)."""
     if dataset is None or not needs_data():
         return None
     sampler = ReplicaBatchSampler(
-        len(dataset), plan, parallel_state.get_data_parallel_rank(), start_iteration
+        len(dataset), plan, parallel_state.get_data_parallel_rank(), start_iteration, schedule
     )
     loader = torch.utils.data.DataLoader(
         dataset,

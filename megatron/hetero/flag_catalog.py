@@ -12,8 +12,7 @@ arguments.py defines it; every other flag is listed here exactly once:
 
 ``REFUSED_VALUES`` lists values of honoured flags that Megatron-LM accepts and we refuse.
 
-The block marked "delete on merge" holds the flags the features branch (issue 10, item 2)
-makes honoured; flags.check_registry names any flag that is both honoured and listed here.
+flags.check_registry names any flag that is both honoured and listed here, or neither.
 """
 
 from __future__ import annotations
@@ -362,8 +361,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
     ),
     "tokenizer_variants": (
         "--padded-vocab-size", "--vocab-extra-ids", "--tokenizer-metadata",
-        "--tokenizer-special-tokens", "--legacy-tokenizer", "--tiktoken-pattern",
-        "--tiktoken-num-special-tokens", "--tiktoken-special-tokens",
+        "--tokenizer-special-tokens", "--legacy-tokenizer", "--tiktoken-special-tokens",
         "--tokenizer-sentencepiece-legacy", "--tokenizer-hf-use-fast",
         "--tokenizer-hf-include-special-tokens", "--trust-remote-code",
     ),
@@ -424,39 +422,6 @@ _OTHER_PROGRAM_FLAGS = (
     "--flash-decode", "--inference-rng-tracker", "--inference-fuse-tp-communication",
 )
 
-FEATURES_BRANCH_REASON = (
-    "implemented on the features branch of issue 10 (logging, schedules, checkpoint "
-    "pass-through, run control, model shape, MoE); not in this build yet - remove it")
-_HONOURED_ON_OTHER_BRANCH: dict[str, str] = {}
-_NOOPS_ON_OTHER_BRANCH: dict[str, str] = {}
-
-# ---- honoured by the features branch (issue 10, item 2); delete on merge ----------------
-# Until that branch lands these are refused. Once it defines them in arguments.py,
-# flags.check_registry names every flag still listed here; a flag it did not define after
-# all is named as "neither honoured nor in flag_catalog.py" and needs a theme above.
-_HONOURED_ON_OTHER_BRANCH.update({flag: FEATURES_BRANCH_REASON for flag in (
-    "--tensorboard-dir", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-    "--log-memory-to-tensorboard", "--tensorboard-log-interval", "--timing-log-level",
-    "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity",
-    "--train-samples", "--lr-warmup-samples", "--lr-decay-samples", "--rampup-batch-size",
-    "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins",
-    "--dist-ckpt-strictness", "--ckpt-fully-parallel-load",
-    "--async-save", "--use-checkpoint-opt_param-scheduler", "--auto-detect-ckpt-format",
-    "--dist-ckpt-optim-fully-reshardable", "--deterministic-mode", "--manual-gc",
-    "--manual-gc-interval", "--no-manual-gc-eval", "--empty-unused-memory-level",
-    "--no-create-attention-mask-in-dataloader", "--skip-train", "--squared-relu",
-    "--rotary-interleaved", "--no-position-embedding", "--num-experts", "--moe-router-topk",
-    "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
-    "--moe-token-dispatcher-type", "--expert-model-parallel-size",
-    "--lr-wsd-decay-samples", "--log-world-size-to-tensorboard",
-    "--no-log-loss-scale-to-tensorboard", "--tensorboard-queue-size",
-    "--use-persistent-ckpt-worker", "--no-ckpt-fully-parallel-save",
-)})
-# Megatron-LM ignores it (deprecated: fully parallel save is its default).
-_NOOPS_ON_OTHER_BRANCH["--ckpt-fully-parallel-save"] = (
-    "deprecated in Megatron-LM and without effect (fully parallel save is its default)")
-# ---- end of the features branch's block --------------------------------------------------
-
 
 def theme_of_flags(group_of: dict[str, str]) -> dict[str, str]:
     """Each refused flag's theme; ``group_of`` maps a flag to its Megatron-LM group title
@@ -470,21 +435,15 @@ def theme_of_flags(group_of: dict[str, str]) -> dict[str, str]:
     return themes
 
 
-def features_branch_reasons() -> dict[str, str]:
-    """The refused entries of the features branch's block."""
-    return dict(_HONOURED_ON_OTHER_BRANCH)
-
-
 def noops() -> dict[str, str]:
     """Every no-op flag and why it has no effect."""
-    return {**NOOPS, **_NOOPS_ON_OTHER_BRANCH}
+    return dict(NOOPS)
 
 
 def duplicate_entries() -> list[str]:
-    """Flags listed more than once across themes, no-ops and the features block."""
+    """Flags listed more than once across themes and no-ops."""
     seen: dict[str, int] = {}
-    lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS, CONDITIONAL,
-             _HONOURED_ON_OTHER_BRANCH, _NOOPS_ON_OTHER_BRANCH]
+    lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS, CONDITIONAL]
     for flags in lists:
         for flag in flags:
             seen[flag] = seen.get(flag, 0) + 1

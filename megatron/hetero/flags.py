@@ -113,7 +113,6 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
     check_registry(honoured)
     flags = megatron_flags()
     themes = flag_catalog.theme_of_flags({f.name: f.group for f in flags})
-    branch_refused = flag_catalog.features_branch_reasons()
     noops = flag_catalog.noops()
     result = {}
     for flag in flags:
@@ -126,8 +125,6 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
             conditional = flag_catalog.CONDITIONAL[name]
             theme = flag_catalog.THEMES[conditional.theme]
             result[name] = Ruling(flag, Status.REFUSED, theme.reason(), conditional.theme, conditional)
-        elif name in branch_refused:
-            result[name] = Ruling(flag, Status.REFUSED, branch_refused[name], "features_branch")
         else:
             theme = themes[name]
             reason = flag_catalog.REASONS.get(name) or flag_catalog.THEMES[theme].reason()
@@ -139,7 +136,7 @@ def check_registry(honoured: set[str]) -> None:
     """One status per flag: a flag both honoured and catalogued, or neither, is a bug."""
     flags = megatron_flags()
     listed = (set(flag_catalog.theme_of_flags({})) | set(flag_catalog.noops())
-              | set(flag_catalog.CONDITIONAL) | set(flag_catalog.features_branch_reasons()))
+              | set(flag_catalog.CONDITIONAL))
     # Flags of other programs' groups are refused whole, unless arguments.py honours one.
     catalogued = listed | set(flag_catalog.theme_of_flags({f.name: f.group for f in flags}))
     problems = []
@@ -220,7 +217,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> dict[str, Ruling]:
             group.description = f"honoured: Megatron-LM's meaning and default ({megatron_tag()})"
     table = rulings(defined_options(parser))
     used = {_group_key(r) for r in table.values() if r.status is not Status.HONOURED}
-    order = ["noop", *flag_catalog.THEMES, "features_branch"]
+    order = ["noop", *flag_catalog.THEMES]
     groups = {key: parser.add_argument_group(*_group_heading(key)) for key in order if key in used}
     for ruling in table.values():
         flag = ruling.flag
@@ -272,9 +269,6 @@ def _group_heading(key: str) -> tuple[str, str]:
     if key == "noop":
         return ("no-op (accepted; Megatron-LM ignores these too)",
                 "said once at start-up; they change nothing")
-    if key == "features_branch":
-        return ("refused: features of issue 10 not in this build",
-                flag_catalog.FEATURES_BRANCH_REASON)
     theme = flag_catalog.THEMES[key]
     return (f"refused: {theme.title}", theme.reason())
 
@@ -559,7 +553,7 @@ def markdown(parser: argparse.ArgumentParser) -> str:
             lines.append(f"| {_code(ruling.flag.option_strings)} | {ruling.reason} |")
     lines += ["", "## Refused", "",
               "Each refused flag given is named at start-up with the reason of its theme.", ""]
-    for key in [*flag_catalog.THEMES, "features_branch"]:
+    for key in flag_catalog.THEMES:
         members = [r for r in table.values() if r.status is Status.REFUSED and r.theme == key]
         if not members:
             continue

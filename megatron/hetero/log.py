@@ -48,7 +48,7 @@ def iteration_line(
     train_iters: int,
     consumed_samples: int,
     elapsed_ms: float,
-    tflops_per_device: float,
+    tflops_per_device: float | None,
     tokens_per_second: float,
     learning_rate: float,
     global_batch_size: int,
@@ -64,9 +64,10 @@ def iteration_line(
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-    # Megatron prints one decimal; tiny models on a CPU need more to show anything.
-    tflops = f"{tflops_per_device:.1f}" if tflops_per_device >= 1 else f"{tflops_per_device:.4f}"
-    line += f" throughput per GPU (TFLOP/s/GPU): {tflops} |"
+    if tflops_per_device is not None:  # --log-throughput, as in Megatron-LM
+        # Megatron prints one decimal; tiny models on a CPU need more to show anything.
+        tflops = f"{tflops_per_device:.1f}" if tflops_per_device >= 1 else f"{tflops_per_device:.4f}"
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops} |"
     line += f" tokens per second: {tokens_per_second:.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"

@@ -62,7 +62,10 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=_activation(args),
+        rotary_interleaved=args.rotary_interleaved,
+        deterministic_mode=args.deterministic_mode,
+        **_moe_config(args),
         add_bias_linear=args.add_bias_linear,
         init_method_std=args.init_method_std,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
@@ -90,6 +93,31 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
     )
 
 
+def _activation(args: argparse.Namespace):
+    if args.swiglu:
+        return F.silu
+    if args.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
+    return F.gelu
+
+
+def _moe_config(args: argparse.Namespace) -> dict:
+    """Megatron-LM's MoE flags as TransformerConfig fields (none for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+
+
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(
         num_layers=args.num_layers,
@@ -112,8 +140,12 @@ def _layer_spec(args: argparse.Namespace):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+            qk_layernorm=args.qk_layernorm)
+    return get_gpt_layer_local_spec(
+        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization)
 
 
 def build_model(

@@ -131,6 +131,57 @@ def _apply_checkpoint_queue_by_fork() -> object:
 
     filesystem_async._get_write_results_queue = write_results_queue
     return write_results_queue
+def _moe_router_without_te() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
+def _apply_moe_router_without_te() -> object:
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # the name its fallback branch tests for
+    return moe_utils.te_general_gemm
+
+
+def _torch_norm_lacks_zero_centered_gamma() -> bool:
+    from megatron.core.transformer import torch_norm
+
+    return torch_norm.WrappedTorchNorm is not None
+
+
+def _apply_zero_centered_torch_norm() -> object:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class ZeroCenteredNorm(torch.nn.Module):
+        """LayerNorm / RMSNorm with the scale stored as gamma - 1 (zeros at start), as
+        Megatron-LM's --apply-layernorm-1p: weight decay pulls gamma towards 1, not 0."""
+
+        def __init__(self, normalization: str, hidden_size: int, eps: float):
+            super().__init__()
+            self.normalization, self.shape, self.eps = normalization, (hidden_size,), eps
+            self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+            self.bias = (torch.nn.Parameter(torch.zeros(hidden_size))
+                         if normalization == "LayerNorm" else None)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.normalization == "LayerNorm":
+                return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
+            return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+
+    original = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        if config.layernorm_zero_centered_gamma and config.normalization in ("LayerNorm", "RMSNorm"):
+            return ZeroCenteredNorm(config.normalization, hidden_size, eps)
+        return original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                        normalization)
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+    return new
 
 
 def _apply_schedule_trace() -> object:
@@ -184,6 +235,27 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_checkpoint_queue_by_fork,
+    ),
+    Patch(
+        name="moe-router-without-te",
+        why=(
+            "the MoE router's gating GEMM tests `te_general_gemm is not None`, a name megatron-core "
+            "only defines when transformer-engine imports; without it every MoE forward raises "
+            "NameError. The name is defined as None, which selects megatron-core's own torch.mm path"
+        ),
+        needed=_moe_router_without_te,
+        apply=_apply_moe_router_without_te,
+    ),
+    Patch(
+        name="zero-centered-gamma-torch-norm",
+        why=(
+            "--apply-layernorm-1p (layernorm_zero_centered_gamma) exists in megatron-core only "
+            "in transformer-engine's and apex's norms; its torch fallback (WrappedTorchNorm, used "
+            "on the CPU and without apex) asserts. With it set, the fallback builds the same "
+            "LayerNorm/RMSNorm with its scale stored as gamma - 1"
+        ),
+        needed=_torch_norm_lacks_zero_centered_gamma,
+        apply=_apply_zero_centered_torch_norm,
     ),
     Patch(
         name="schedule-trace",

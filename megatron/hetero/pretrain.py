@@ -18,6 +18,7 @@ import torch
 from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
 from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
+from megatron.hetero.batch_schedule import batch_schedule
 from megatron.hetero.distributed import Launch, read_launch, wait_for_peers_to_fail
 from megatron.hetero.log import error
 
@@ -72,6 +73,7 @@ def configure(argv: Sequence[str], launch: Launch) -> tuple[argparse.Namespace, 
     apply_plan(args, plan)
     validate_args(args)
     check_plan_model(args, plan)
+    batch_schedule(args, plan)  # --train-samples -> iterations; every ramp step splits
     return args, plan, plan_source
 
 

@@ -8,6 +8,7 @@ so replicas of different size contribute exactly by the tokens they processed.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import random
 import signal
@@ -24,7 +25,10 @@ from hetero.errors import HeteroError
 from hetero.plan import Plan
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import (
+    OptimizerParamScheduler,
+    get_canonical_lr_for_logging,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import (
     model_parallel_cuda_manual_seed,
@@ -32,8 +36,16 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.hetero import data, distributed
+from megatron.core.timers import Timers
 from megatron.hetero.arguments import padded_vocab_size, used_kernel_tuning_flags
-from megatron.hetero.checkpointing import iteration_dir, latest_iteration, load_checkpoint, save_checkpoint
+from megatron.hetero.batch_schedule import BatchSchedule
+from megatron.hetero.checkpointing import (
+    finalize_pending_saves,
+    iteration_dir,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron.hetero.distributed import Launch, RankContext
 from megatron.hetero.log import (
     arguments_block,
@@ -44,7 +56,9 @@ from megatron.hetero.log import (
     print_rank_0,
     print_rank_last,
 )
+from megatron.hetero.metrics import MetricsWriter
 from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
+from megatron.hetero.moe import MoEMetrics
 from megatron.hetero.patches import apply_patches
 from megatron.hetero.tracing import TRACE
 from megatron.hetero.watchdog import Watchdog
@@ -98,7 +112,7 @@ def forward_step(data_iterator, model):
 
 
 def build_optimizer(
-    args: argparse.Namespace, plan: Plan, model, params_dtype: torch.dtype
+    args: argparse.Namespace, plan: Plan, model, params_dtype: torch.dtype, timers: Timers | None = None
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -121,32 +135,48 @@ def build_optimizer(
             use_distributed_optimizer=args.use_distributed_optimizer,
             clip_grad=args.clip_grad,
             log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+            decoupled_lr=args.decoupled_lr,
+            decoupled_min_lr=args.decoupled_min_lr,
+            timers=timers,
         ),
         [model],
     )
-    # As Megatron-LM with --train-iters: the schedule counts samples.
-    gbs = plan.global_batch_size
-    warmup_iters = (
-        int(args.lr_warmup_fraction * args.lr_decay_iters)
-        if args.lr_warmup_fraction is not None
-        else args.lr_warmup_iters
-    )
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_scheduler(args, plan, optimizer)
+
+
+def scheduler_steps(args: argparse.Namespace, global_batch_size: int) -> dict:
+    """Megatron-LM's schedule lengths, in samples: from --*-iters times the global batch, or
+    the --*-samples flags as given."""
+    if args.train_samples is None:
+        decay = (args.lr_decay_iters or args.train_iters) * global_batch_size
+        warmup = args.lr_warmup_iters * global_batch_size
+        wsd = args.lr_wsd_decay_iters * global_batch_size if args.lr_wsd_decay_iters else None
+        wd_incr = args.train_iters * global_batch_size
+    else:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples
+        wd_incr = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wsd_decay_steps": wsd,
+            "wd_incr_steps": wd_incr}
+
+
+def build_scheduler(args: argparse.Namespace, plan: Plan, optimizer) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
         wd_incr_style=args.weight_decay_incr_style,
-        wsd_decay_steps=args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        **scheduler_steps(args, plan.global_batch_size),
     )
-    return optimizer, scheduler
 
 
 # ----- the loop ---------------------------------------------------------------------------
@@ -167,18 +197,44 @@ class _IntervalStats:
             self.losses[key] = self.losses.get(key, 0.0) + value
 
 
+# Megatron-LM's timers per --timing-log-level (those megatron-core starts itself included).
+TIMERS_TO_LOG = {
+    1: ["forward-backward", "layernorm-grads-all-reduce", "embedding-grads-all-reduce",
+        "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
+        "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad", "optimizer-count-zeros",
+        "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer"],
+    2: ["batch-generator", "forward-compute", "backward-compute", "forward-recv", "forward-send",
+        "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
+        "backward-send-forward-recv", "backward-send-backward-recv",
+        "forward-backward-send-forward-backward-recv"],
+}
+
+
+def timers_to_log(level: int) -> list[str]:
+    return [name for lvl in sorted(TIMERS_TO_LOG) if lvl <= level for name in TIMERS_TO_LOG[lvl]]
+
+
+def empty_unused_memory() -> None:
+    """--empty-unused-memory-level: return cached accelerator memory (the CPU has no cache)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class Trainer:
     """One rank's share of the job: its stage, its replica's micro-batches."""
 
     def __init__(self, args, plan: Plan, ctx: RankContext, model, optimizer, scheduler,
+                 schedule: BatchSchedule, timers: Timers, metrics: MetricsWriter,
+                 moe: MoEMetrics | None = None, start_time: float | None = None,
                  exit_requested: Callable[[], bool] | None = None):
         self.args, self.plan, self.ctx = args, plan, ctx
         self.exit_requested = exit_requested  # --exit-signal-handler: agreed by all ranks
-        self.exited_on_signal = False
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.flops_per_iteration = model_spec(args).training_flops(plan.global_batch_size)
-        self.num_micro_batches = plan.replicas[parallel_state.get_data_parallel_rank()].num_micro_batches
+        self.schedule, self.timers, self.metrics, self.moe = schedule, timers, metrics, moe
+        self.spec = model_spec(args)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
         self.forward_backward = get_forward_backward_func()
+        self.start_time = start_time or time.time()
 
     def _reduce_losses(self, losses_per_micro_batch: list[dict]) -> dict[str, float]:
         """Token-weighted mean over every replica's micro-batches (known on the last stage)."""
@@ -191,37 +247,63 @@ class Trainer:
             reduced[key] = (totals[0] / totals[1].clamp(min=1)).item()
         return reduced
 
-    def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
+    def _run_schedule(self, data_iterator, num_micro_batches: int, forward_only: bool) -> dict[str, float]:
         losses = self.forward_backward(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=[self.model],
-            num_microbatches=self.num_micro_batches,
+            num_microbatches=num_micro_batches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.plan.micro_batch_size,
             forward_only=forward_only,
         )
         return self._reduce_losses(losses)
 
-    def train_step(self, data_iterator) -> tuple[dict[str, float], float | None, bool, int | None]:
+    def train_step(self, data_iterator, global_batch_size: int):
+        """One iteration over global_batch_size samples (this replica's share of them)."""
+        args, timers = self.args, self.timers
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._run_schedule(data_iterator, forward_only=False)
+        num_micro_batches = self.schedule.micro_batches(global_batch_size)[self.dp_rank]
+        # (megatron-core's schedule times itself as 'forward-backward')
+        losses = self._run_schedule(data_iterator, num_micro_batches, forward_only=False)
+        if args.empty_unused_memory_level >= 1:
+            empty_unused_memory()
+        timers("optimizer", log_level=1).start(barrier=True)
         with TRACE.span("step"):
             update_successful, grad_norm, num_zeros = self.optimizer.step()
+        timers("optimizer").stop()
         if update_successful:
-            self.scheduler.step(increment=self.plan.global_batch_size)
+            self.scheduler.step(increment=global_batch_size)
+        if args.empty_unused_memory_level >= 2:
+            empty_unused_memory()
         return losses, grad_norm, not update_successful, num_zeros
 
     @torch.no_grad()
     def evaluate(self, data_iterator) -> dict[str, float]:
+        """--eval-iters iterations of the plan's global batch, forward only."""
+        args = self.args
+        if args.manual_gc and args.manual_gc_eval:
+            gc.collect()
         self.model.eval()
         totals: dict[str, float] = {}
-        for _ in range(self.args.eval_iters):
-            for key, value in self._run_schedule(data_iterator, forward_only=True).items():
+        num_micro_batches = self.plan.replicas[self.dp_rank].num_micro_batches
+        for _ in range(args.eval_iters):
+            for key, value in self._run_schedule(data_iterator, num_micro_batches, forward_only=True).items():
                 totals[key] = totals.get(key, 0.0) + value
+            if args.empty_unused_memory_level >= 1:
+                empty_unused_memory()
         self.model.train()
-        return {k: v / self.args.eval_iters for k, v in totals.items()}
+        if args.manual_gc and args.manual_gc_eval:
+            gc.collect()
+        return {k: v / args.eval_iters for k, v in totals.items()}
+
+    def evaluate_and_print(self, data_iterator, iteration: int, consumed_samples: int,
+                           split: str = "validation") -> None:
+        losses = self.evaluate(data_iterator)
+        print_rank_last(evaluation_block(f"iteration {iteration} on {split} set", losses))
+        if split == "validation":
+            self.metrics.validation(iteration, consumed_samples, losses)
 
     def _params_norm(self) -> float:
         """L2 norm of the whole model: each parameter counted once across TP and PP."""
@@ -232,21 +314,29 @@ class Trainer:
         torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         return squares.sqrt().item()
 
-    def _log(self, iteration: int, stats: _IntervalStats, grad_norm, num_zeros) -> None:
+    def learning_rate(self) -> float:
+        """The lr of the default parameter groups (not --decoupled-lr's), as Megatron-LM logs it."""
+        groups = self.optimizer.param_groups
+        lr = get_canonical_lr_for_logging(groups)
+        return groups[0]["lr"] if lr is None else lr
+
+    def _log(self, iteration: int, stats: _IntervalStats, grad_norm, num_zeros,
+             global_batch_size: int, consumed_samples: int) -> None:
         args, plan = self.args, self.plan
         seconds = stats.elapsed / stats.iterations
         advanced = max(1, stats.iterations - stats.skipped)
         params_norm = self._params_norm() if args.log_params_norm else None
+        tflops = self.spec.training_flops(global_batch_size) / (seconds * 1e12 * plan.world_size)
         print_rank_last(
             iteration_line(
                 iteration=iteration,
                 train_iters=args.train_iters,
-                consumed_samples=iteration * plan.global_batch_size,
+                consumed_samples=consumed_samples,
                 elapsed_ms=seconds * 1000.0,
-                tflops_per_device=self.flops_per_iteration / (seconds * 1e12 * plan.world_size),
-                tokens_per_second=plan.global_batch_size * args.seq_length / seconds,
-                learning_rate=self.optimizer.param_groups[0]["lr"],
-                global_batch_size=plan.global_batch_size,
+                tflops_per_device=tflops if args.log_throughput else None,
+                tokens_per_second=global_batch_size * args.seq_length / seconds,
+                learning_rate=self.learning_rate(),
+                global_batch_size=global_batch_size,
                 losses={k: v / advanced for k, v in stats.losses.items()},
                 loss_scale=float(self.optimizer.get_loss_scale().item()),
                 grad_norm=grad_norm,
@@ -256,35 +346,82 @@ class Trainer:
                 nan_iterations=stats.nan,
             )
         )
+        if args.log_timers_to_tensorboard:
+            self.metrics.scalar("iteration-time", seconds, iteration)
+            if args.log_throughput:
+                self.metrics.scalar("throughput", tflops, iteration)
+        names = timers_to_log(args.timing_log_level)
+        if names:  # a collective: every rank takes part, the last one prints
+            if args.log_timers_to_tensorboard:
+                self.timers.write(names, self.metrics.tensorboard, iteration,
+                                  normalizer=args.log_interval, reset=False)
+            text = self.timers.get_all_timers_string(names, normalizer=args.log_interval, reset=True)
+            if text:
+                print_rank_last(text)
+        return params_norm
+
+    def _write_metrics(self, iteration: int, consumed_samples: int, global_batch_size: int,
+                       losses: dict[str, float], grad_norm, num_zeros, params_norm) -> None:
+        self.metrics.training(
+            iteration, consumed_samples, learning_rate=self.learning_rate(),
+            batch_size=global_batch_size, losses=losses,
+            loss_scale=float(self.optimizer.get_loss_scale().item()), grad_norm=grad_norm,
+            num_zeros=num_zeros if self.args.log_num_zeros_in_grad else None,
+            params_norm=params_norm, world_size=self.plan.world_size)
+
+    def _time_is_up(self) -> bool:
+        """--exit-duration-in-mins, agreed by all ranks (the slowest clock decides)."""
+        minutes = (time.time() - self.start_time) / 60.0
+        done = torch.tensor([int(minutes > self.args.exit_duration_in_mins)], dtype=torch.int)
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
+        return bool(done.item())
 
     def train(self, start_iteration: int, train_iterator, valid_iterator, evaluate: bool) -> tuple[int, bool]:
-        """Runs from start_iteration to --train-iters (or --exit-interval); returns the
+        """Runs from start_iteration to --train-iters (or an exit condition); returns the
         last iteration and whether a checkpoint of it was just saved."""
         args = self.args
         stats = _IntervalStats()
         reported_memory = False
         saved = False
+        if args.manual_gc:  # as Megatron-LM: collect at the same points on every rank
+            gc.disable()
+            gc.collect()
         print_rank_0("training ...")
         iteration = start_iteration
+        consumed = self.schedule.consumed_samples(start_iteration)
         while iteration < args.train_iters:
             tracing = TRACE.enabled and iteration + 1 == TRACE.iteration
             if tracing:
                 torch.distributed.barrier()
                 TRACE.begin()
+            if args.async_save:  # as Megatron-LM: publish background saves that finished
+                finalize_pending_saves(blocking=False)
             start = time.perf_counter()
-            losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator)
+            global_batch_size = self.schedule.global_batch_size(consumed)
+            losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator, global_batch_size)
             iteration += 1
+            consumed += global_batch_size
             if tracing:
                 TRACE.end(self.ctx.logical_rank, self._trace_facts())
             saved = False
             stats.elapsed += time.perf_counter() - start
+            if self.moe is not None:
+                losses = {**losses, **self.moe.collect(
+                    iteration, self.plan.data_parallel, global_batch_size // self.plan.micro_batch_size,
+                    self.metrics.tensorboard, self.metrics.wandb)}
             stats.iterations += 1
             stats.skipped += int(skipped)
             if not skipped:
                 stats.add_losses(losses)
                 stats.nan += int(any(v != v for v in losses.values()))
-            if iteration % args.log_interval == 0:
-                self._log(iteration, stats, grad_norm, num_zeros)
+            logging_now = iteration % args.log_interval == 0
+            params_norm = None
+            if logging_now:
+                params_norm = self._log(iteration, stats, grad_norm, num_zeros, global_batch_size, consumed)
+            if self.metrics.active:
+                self._write_metrics(iteration, consumed, global_batch_size, losses, grad_norm,
+                                    num_zeros, params_norm)
+            if logging_now:
                 stats = _IntervalStats()
                 if not reported_memory:  # as Megatron-LM: one line per stage, once
                     reported_memory = True
@@ -293,9 +430,7 @@ class Trainer:
                     ):
                         print_all(memory_line(self.ctx.logical_rank, iteration))
             if evaluate and iteration % args.eval_interval == 0:
-                block = evaluation_block(f"iteration {iteration} on validation set",
-                                         self.evaluate(valid_iterator))
-                print_rank_last(block)
+                self.evaluate_and_print(valid_iterator, iteration, consumed)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.save(iteration)
                 saved = True
@@ -303,8 +438,13 @@ class Trainer:
                 if args.save and not saved:
                     self.save(iteration)
                     saved = True
-                self.exited_on_signal = True
                 print_rank_0(f"exiting program after receiving {args.exit_signal}.")
+                break
+            if args.exit_duration_in_mins and self._time_is_up():
+                if args.save and not saved:
+                    self.save(iteration)
+                    saved = True
+                print_rank_0(f"exiting program after {(time.time() - self.start_time) / 60.0} minutes")
                 break
             if args.exit_interval and iteration % args.exit_interval == 0:
                 if args.save and not saved:
@@ -312,6 +452,8 @@ class Trainer:
                     saved = True
                 print_rank_0(f"exiting program at iteration {iteration}")
                 break
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
         return iteration, saved
 
     def _trace_facts(self) -> dict:
@@ -329,7 +471,8 @@ class Trainer:
 # ----- the run ----------------------------------------------------------------------------
 
 
-def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, patches: list[str]) -> None:
+def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, patches: list[str],
+                 schedule: BatchSchedule) -> None:
     print_rank_0(arguments_block(args))
     print_rank_0(
         f"using world size: {plan.world_size}, data-parallel size: {plan.data_parallel}, "
@@ -344,15 +487,23 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
                 f"    logical rank {logical:4d} (tp {c.tp_rank}, dp {c.dp_rank}, pp {c.pp_rank}) "
                 f"-> launch rank {plan.launch_rank(logical):4d} on {d.host} ({d.device_type}, {d.vendor})"
             )
+    if schedule.ramps:
+        print_rank_0("> batch-size ramp-up (--rampup-batch-size), each step split over the replicas "
+                     "in the plan's proportions (largest remainder):")
+        for line in schedule.describe():
+            print_rank_0(line)
     print_rank_0(f"> megatron-core patches applied: {', '.join(patches) or 'none'}")
     for note in getattr(args, "noop_flags", ()):  # said once, as Megatron-LM's own warnings
         print_rank_0(f"> {note}")
+    for note in args.startup_notes:
+        print_rank_0(f"WARNING: {note}")
     kernel_flags = used_kernel_tuning_flags(args)
     if kernel_flags and not torch.cuda.is_available():
         print_rank_0(f"> {', '.join(kernel_flags)}: no effect on the CPU (no fused kernels)")
 
 
 def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: Launch) -> None:
+    start_time = time.time()  # --exit-duration-in-mins counts from here, as in Megatron-LM
     data.check_data_paths(args)
     patches = apply_patches()
     ctx = distributed.initialize(
@@ -365,7 +516,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                         exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None).start()
     try:
-        _train(args, plan, plan_source, ctx, patches,
+        _train(args, plan, plan_source, ctx, patches, start_time,
                watchdog.exit_requested if args.exit_signal_handler else None)
     except HeteroError as err:  # reported here; ranks still waiting for this one stop too
         watchdog.finish()
@@ -389,9 +540,14 @@ def _resume_hint(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: RankContext,
-           patches: list[str], exit_requested: Callable[[], bool] | None) -> None:
-    _print_setup(args, plan, plan_source, patches)
+           patches: list[str], start_time: float,
+           exit_requested: Callable[[], bool] | None) -> None:
+    schedule = BatchSchedule(plan, args.rampup_batch_size)
+    _print_setup(args, plan, plan_source, patches, schedule)
     set_random_seed(args.seed)
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
+    timers = Timers(args.timing_log_level, "minmax")
 
     print_rank_0(f"> building {args.tokenizer_type} tokenizer ...")
     tokenizer = data.build_tokenizer(args)
@@ -411,6 +567,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
 
     print_rank_0("building GPT model ...")
     config = transformer_config(args, plan)
+    config.timers = timers  # megatron-core times its own steps at --timing-log-level 2
     model = build_model(args, plan, config)
     if parallel_state.get_data_parallel_rank() == 0:
         print_all(
@@ -418,37 +575,47 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
             f"({parallel_state.get_tensor_model_parallel_rank()}, "
             f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model)}"
         )
-    optimizer, scheduler = build_optimizer(args, plan, model, config.params_dtype)
+    optimizer, scheduler = build_optimizer(args, plan, model, config.params_dtype, timers)
     config.grad_scale_func = optimizer.scale_loss
 
     print_rank_0("> building train, validation, and test datasets ...")
     if args.mock_data:  # mock data has no index cache to save; megatron-core warns per split
         logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-    train_ds, valid_ds, test_ds = data.build_datasets(args, tokenizer)
+    train_ds, valid_ds, test_ds = data.build_datasets(
+        args, tokenizer, schedule.consumed_samples(args.train_iters))
 
-    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler, exit_requested)
+    metrics = MetricsWriter(args)
+    moe = MoEMetrics(args) if args.num_experts is not None else None
+    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler, schedule, timers, metrics, moe,
+                      start_time, exit_requested)
     start_iteration = 0
     if args.load:
         start_iteration, _ = load_checkpoint(args.load, model, optimizer, scheduler, args)
     do_valid = args.eval_iters > 0 and valid_ds is not None
-    # The data position follows from the iteration: iteration i reads samples [i*G, (i+1)*G).
+    # The data position follows from the iteration: iteration i reads the i-th global batch.
     valid_iterator = data.micro_batch_iterator(
         valid_ds, plan, args.num_workers, start_iteration=(start_iteration // args.eval_interval) * args.eval_iters)
-    iteration, saved = trainer.train(
-        start_iteration,
-        data.micro_batch_iterator(train_ds, plan, args.num_workers, start_iteration=start_iteration),
-        valid_iterator,
-        do_valid,
-    )
-    print_rank_0(f"[after training is done] iterations: {iteration}")
+    if args.skip_train:
+        print_rank_0("skipping training (--skip-train) ...")
+        iteration, saved, exited_early = start_iteration, True, False
+    else:
+        iteration, saved = trainer.train(
+            start_iteration,
+            data.micro_batch_iterator(train_ds, plan, args.num_workers,
+                                      start_iteration=start_iteration, schedule=schedule),
+            valid_iterator,
+            do_valid,
+        )
+        print_rank_0(f"[after training is done] iterations: {iteration}")
+        exited_early = iteration < args.train_iters
     if args.save and not saved and iteration > start_iteration:
         trainer.save(iteration)
-    exited_early = trainer.exited_on_signal or (
-        args.exit_interval is not None and iteration < args.train_iters)
+    finalize_pending_saves()
+    consumed = schedule.consumed_samples(iteration)
     if not exited_early:
-        if do_valid and iteration % args.eval_interval:
-            losses = trainer.evaluate(valid_iterator)
-            print_rank_last(evaluation_block(f"iteration {iteration} on validation set", losses))
+        if do_valid and (args.skip_train or iteration % args.eval_interval):
+            trainer.evaluate_and_print(valid_iterator, iteration, consumed)
         if args.eval_iters > 0 and test_ds is not None:
-            losses = trainer.evaluate(data.micro_batch_iterator(test_ds, plan, args.num_workers))
-            print_rank_last(evaluation_block(f"iteration {iteration} on test set", losses))
+            trainer.evaluate_and_print(data.micro_batch_iterator(test_ds, plan, args.num_workers),
+                                       iteration, consumed, split="test")
+    metrics.close()

@@ -1,0 +1,118 @@
+"""Real Megatron-LM recipes (tests/recipes/*.args) run unchanged but for one scale-down rule
+(tests/recipes/README.md), with 1 process and with 4 under a heterogeneous plan."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import tiny_tokenizers
+from conftest import make_plan, run_pretrain
+from megatron.hetero.arguments import build_parser
+
+RECIPES = Path(__file__).parent / "recipes"
+
+SIZES = {
+    "--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32",
+    "--ffn-hidden-size": "128", "--kv-channels": "16", "--num-query-groups": "2",
+    "--max-position-embeddings": "32", "--num-experts": "4", "--vocab-size": "1000",
+    "--micro-batch-size": "2", "--global-batch-size": "16", "--rampup-batch-size": "4 4 16",
+}
+LENGTH = {
+    "--train-iters": "3", "--train-samples": "48", "--lr-decay-iters": "3", "--lr-decay-samples": "48",
+    "--lr-warmup-iters": "1", "--lr-warmup-samples": "16", "--log-interval": "1",
+    "--eval-interval": "2", "--eval-iters": "1", "--save-interval": "1000", "--num-workers": "0",
+}
+PARALLEL_DEGREES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                    "--expert-model-parallel-size")
+GPU_ONLY = {("--transformer-impl", "transformer_engine"): ["--transformer-impl", "local"],
+            ("--distributed-backend", "nccl"): ["--distributed-backend", "gloo"],
+            ("--bf16", None): [], ("--fp16", None): [], ("--moe-grouped-gemm", None): []}
+PLAN = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1])
+
+
+def read_recipe(path: Path) -> tuple[list[tuple[str, str | None]], dict[str, list[str]]]:
+    """(flag, value) pairs and the header lists of one recipe file."""
+    flags, header = [], {}
+    for line in path.read_text().splitlines():
+        if line.startswith("# drop-"):
+            key, _, names = line[2:].partition(":")
+            header[key] = names.split()
+        elif line.strip() and not line.startswith("#"):
+            flag, _, value = line.partition(" ")
+            flags.append((flag, value.strip() or None))
+    return flags, header
+
+
+def _tokenizer_files(flags: dict, workdir: Path) -> dict[str, str]:
+    kind = flags.get("--tokenizer-type", "GPT2BPETokenizer")
+    if kind == "GPT2BPETokenizer":
+        vocab, merges = tiny_tokenizers.gpt2_bpe_files(workdir / "gpt2")
+        return {"--vocab-file": str(vocab), "--merge-file": str(merges)}
+    if kind == "HuggingFaceTokenizer":
+        return {"--tokenizer-model": str(tiny_tokenizers.huggingface_dir(workdir / "hf"))}
+    if kind == "TikTokenizer":
+        return {"--tokenizer-model": str(tiny_tokenizers.tiktoken_vocab(workdir / "tik"))}
+    return {"--tokenizer-model": str(tiny_tokenizers.sentencepiece_model(workdir / "spm"))}
+
+
+def scale_down(path: Path, workdir: Path) -> list[str]:
+    """The recipe's flags under the documented scale-down rule (tests/recipes/README.md)."""
+    flags, header = read_recipe(path)
+    known = {s for action in build_parser()._actions for s in action.option_strings}
+    dropped = set(header.get("drop-until-issue-11", []))
+    dropped |= {f for f in header.get("drop-unless-known", []) if f not in known}
+    files = _tokenizer_files(dict(flags), workdir)
+    paths = {"--save": workdir / "ckpt", "--load": workdir / "ckpt",
+             "--tensorboard-dir": workdir / "tb", "--data-cache-path": workdir / "cache"}
+    out: list[str] = []
+    for flag, value in flags:
+        if flag in dropped or flag in PARALLEL_DEGREES:
+            continue
+        if (flag, value) in GPU_ONLY:
+            out += GPU_ONLY[(flag, value)]
+        elif flag == "--data-path":
+            out.append("--mock-data")
+        elif flag in files:
+            out += [flag, files[flag]]
+        elif flag in paths:
+            out += [flag, str(paths[flag])]
+        elif flag in SIZES or flag in LENGTH:
+            out += [flag, *(SIZES.get(flag) or LENGTH[flag]).split()]
+        else:
+            out += [flag] if value is None else [flag, *value.split()]
+    unknown = sorted({f for f in out if f.startswith("--") and f not in known})
+    assert not unknown, f"{path.name}: flags the parser does not know: {unknown}"
+    return out
+
+
+RECIPE_FILES = sorted(RECIPES.glob("*.args"))
+
+
+def test_every_recipe_names_its_megatron_source():
+    assert len(RECIPE_FILES) >= 12
+    sources = set()
+    for path in RECIPE_FILES:
+        first = path.read_text().splitlines()[0]
+        match = re.match(r"# Mirrors Megatron-LM core_v0\.16\.1: (\S+)", first)
+        assert match, path.name
+        sources.add(match.group(1))
+    assert {"examples/gpt3/train_gpt3_175b_distributed.sh", "examples/llama/train_llama3_8b_h100_fp8.sh",
+            "examples/mixtral/train_mixtral_8x7b_distributed.sh"} <= sources
+    assert len(sources) == len(RECIPE_FILES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 4])
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
+def test_recipe_runs(recipe, nproc, tmp_path):
+    args = scale_down(recipe, tmp_path)
+    plan = PLAN if nproc == 4 else None
+    result = run_pretrain(args, nproc=nproc, plan=plan, tmp_path=tmp_path, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    losses = result.losses()  # Megatron's iteration lines, 1..3 in order
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    if "--num-experts" in args:
+        assert len(result.series("load_balancing_loss")) == 3
