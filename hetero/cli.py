@@ -157,8 +157,7 @@ def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:
     cluster = Cluster.from_dict(extra["cluster"], f"{source}: cluster")
     model = ModelSpec(**extra["model"])
     training = extra["training"]
-    setup = TrainingSetup(**{k: training[k] for k in ("precision", "distributed_optimizer",
-                                                      "fused_kernels", "dropout")})
+    setup = TrainingSetup.from_dict(training)
     profiles = None
     if extra.get("provenance", {}).get("profiles"):
         profiles = Profiles.load_dir(extra["provenance"]["profiles"])

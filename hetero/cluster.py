@@ -43,6 +43,8 @@ class DeviceSpec(_Spec):
     memory_gib: float = Field(gt=0)
     peak_tflops: float = Field(gt=0)
     memory_bandwidth_gbs: float = Field(gt=0)
+    precisions: tuple[Literal["bf16", "fp16", "fp8"], ...] = Field(
+        default=("bf16", "fp16"), description="low precisions it runs (fp32 always runs)")
 
 
 class NicSpec(_Spec):
@@ -135,7 +137,7 @@ class Cluster:
         self.devices: dict[str, DeviceType] = dict(DEVICES)
         for name, d in spec.devices.items():
             self.devices[name] = DeviceType(name, d.vendor, d.memory_gib, d.peak_tflops,
-                                            d.memory_bandwidth_gbs)
+                                            d.memory_bandwidth_gbs, tuple(d.precisions))
         self.nodes: list[Node] = []
         for group in spec.groups:
             for node in group.nodes:

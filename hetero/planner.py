@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 from hetero.cluster import Cluster
 from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
-from hetero.memory import DEFAULT_OVERHEAD_GIB, FRAMEWORK_OVERHEAD_GIB, GIB, capacity_bytes, stage_params
+from hetero.memory import layer_capacity, stage_params
 from hetero.model import ModelSpec
 from hetero.placement import (
     ORDERS,
@@ -186,60 +186,40 @@ class Planner:
 
     # ----- per-class building blocks ------------------------------------------------------
 
+    def _layer_cost(self, c: int, tp: int, mbs: int):
+        cl = self.classes[c]
+        return self.costs.layer_cost(cl.device_type, cl.hosts[0], tp, mbs)
+
     def _layer_time(self, c: int, tp: int, mbs: int) -> float:
-        def compute() -> float:
-            cl = self.classes[c]
-            forward, backward = self.costs.layer_times(cl.device_type, tp, mbs)
-            message = self.costs.activation_message_bytes(mbs)
-            return forward + backward + 4 * self.costs.tp_allreduce(cl.hosts[0], tp, message)
-        return self._memo(("layer", c, tp, mbs), compute)
+        return self._layer_cost(c, tp, mbs).total_s
 
     def _logits_time(self, c: int, tp: int, mbs: int) -> float:
         return self._memo(("logits", c, tp, mbs),
                           lambda: sum(self.costs.logits_times(self.classes[c].device_type, tp, mbs)))
 
-    def _bytes_per_param(self, dp: int) -> float:
-        v = self.costs.precision.value_bytes
-        optimizer = 12 if v < 4 else 8
-        if self.setup.distributed_optimizer:
-            optimizer /= dp
-        return v + self.costs.precision.grad_bytes + optimizer
-
     def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
-        """Most decoder layers stage `stage` can hold on a device of class c."""
-        key = ("cap", c, tp, mbs, dp, min(stages - stage, self.global_batch_size // mbs),
-               stage == 0, stage == stages - 1)
-        return self._memo(key, lambda: self._compute_layer_cap(c, tp, mbs, dp, stage, stages))
-
-    def _compute_layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
-        m, costs, cl = self.model, self.costs, self.classes[c]
-        per_param = self._bytes_per_param(dp)
-        in_flight = min(stages - stage, self.global_batch_size // mbs)
-        fixed = FRAMEWORK_OVERHEAD_GIB.get(cl.vendor, DEFAULT_OVERHEAD_GIB) * GIB
-        if stage == 0:
-            fixed += m.embedding_params() / tp * per_param + in_flight * costs.activation_message_bytes(mbs)
-        if stage == stages - 1:
-            fixed += m.output_params() / tp * per_param + in_flight * m.logits_activation_bytes(
-                mbs, tp, costs.precision.value_bytes)
-        largest_weight = m.layer_params()
-        if stage in (0, stages - 1):
-            largest_weight = max(largest_weight, m.vocab_size * m.hidden_size)
-        fixed += costs.layer_activation_bytes(tp, mbs) + largest_weight / tp * costs.setup.value_bytes
-        per_layer = m.layer_params() / tp * per_param + in_flight * costs.layer_activation_bytes(tp, mbs)
-        room = capacity_bytes(self.cluster.devices[cl.device_type].memory_gib) - fixed
-        return max(0, int(room // per_layer))
+        """Most decoder layers stage `stage` can hold on a device of class c: the memory
+        model's own answer (memory.layer_capacity), for the most micro-batches a replica
+        could run."""
+        total_mb = self.global_batch_size // mbs
+        in_flight_key = min(stages - stage, total_mb) if self.setup.virtual_stages == 1 else (stages - stage, total_mb)
+        key = ("cap", c, tp, mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1)
+        cl = self.classes[c]
+        return self._memo(key, lambda: layer_capacity(
+            self.costs, self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
+            tensor_parallel=tp, data_parallel=dp, micro_batch_size=mbs, stage=stage,
+            num_stages=stages, num_micro_batches=total_mb))
 
     def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
         """One activation across a pipeline boundary from class a to class b."""
         key = ("send", a, b, tp, mbs, same_node, crossings)
         if key not in self._cache:
             ca, cb = self.classes[a], self.classes[b]
-            message = self.costs.activation_message_bytes(mbs)
             if a == b:
                 other = ca.hosts[0] if same_node or len(ca.hosts) == 1 else ca.hosts[1]
-                self._cache[key] = self.costs.p2p(ca.hosts[0], other, message)
+                self._cache[key] = self.costs.stage_transfer(ca.hosts[0], other, tp, mbs)
             else:
-                self._cache[key] = self.costs.p2p(ca.hosts[0], cb.hosts[0], message, crossings)
+                self._cache[key] = self.costs.stage_transfer(ca.hosts[0], cb.hosts[0], tp, mbs, crossings)
         return self._cache[key]
 
     def _group_terms(self, parts: tuple[GroupPart, ...], crossings: int) -> tuple[float, float]:
@@ -249,17 +229,6 @@ class Planner:
             spans = len({self.classes[c].group for c, *_ in parts}) > 1
             self._cache[key] = self.costs.allreduce_terms(hosts, crossings if spans else 1)
         return self._cache[key]
-
-    def _reduce_time(self, terms: tuple[float, float], params: float) -> float:
-        """Gradient reduction of `params` over a group with all-reduce `terms` (one phase)."""
-        per_byte, fixed = terms
-        if params == 0 or per_byte == 0:
-            return 0.0
-        grad = params * self.costs.precision.grad_bytes
-        if self.setup.distributed_optimizer:  # reduce-scatter gradients, all-gather weights
-            value = params * self.costs.precision.value_bytes
-            return (grad + value) * per_byte + 2 * fixed
-        return 2 * (grad * per_byte + fixed)
 
     def _stage_params(self, layers: list[int], s: int) -> float:
         first, last, stages = s == 0, s == len(layers) - 1, len(layers)
@@ -313,7 +282,10 @@ class Planner:
         for p in distinct:
             work = [n * self._layer_time(c, tp, mbs) + x for n, c, x in zip(layers, p, pattern_sends[p])]
             work[-1] += self._logits_time(p[-1], tp, mbs)
-            shape[p] = (sum(work) - max(work), max(work))
+            # Interleaving divides the fill (the bubble) by v; each chunk sends on.
+            v = self.setup.virtual_stages
+            sends = max(pattern_sends[p])
+            shape[p] = ((sum(work) - max(work)) / v, max(work) + (v - 1) * sends)
         counts: dict[tuple, int] = {}
         for p, n in patterns:
             counts[p] = counts.get(p, 0) + n
@@ -323,8 +295,10 @@ class Planner:
         pipeline = max(shape[p][0] + m * shape[p][1] for p in micro for m in micro[p])
         spanning = sum(len({self.classes[c].group for c, *_ in parts}) > 1 for parts in dp_parts)
         group_crossings = max(1, tp * spanning)
-        reduce = max(self._reduce_time(self._group_terms(dp_parts[s], group_crossings),
-                                       self._stage_params(layers, s) / tp) for s in range(stages))
+        reduce = max(self.costs.gradient_sync(
+            self._group_terms(dp_parts[s], group_crossings), self._stage_params(layers, s) / tp, d,
+            layers[s] * min(self._layer_cost(c, tp, mbs).backward_s for c in at_stage[s]))
+            for s in range(stages))
         share = d if self.setup.distributed_optimizer else 1
         optimizer = max(self.costs.optimizer_step(self.classes[c].device_type,
                                                   self._stage_params(layers, s) / tp / share)

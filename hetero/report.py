@@ -110,7 +110,7 @@ def _predicted_spans(prediction: Prediction, d: int, s: int) -> list[Span]:
 
 
 def _row_label(plan: Plan, d: int, s: int) -> str:
-    stage_device = plan.device_of_logical(plan.tensor_parallel * (d + plan.data_parallel * s)).device_type
+    stage_device = plan.stage_device(d, s).device_type
     return (f"replica {d} stage {s} ({stage_device}, {plan.stages[s].num_layers} layers, "
             f"{plan.replicas[d].num_micro_batches} mb)")
 
