@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Sequence
 
 from hetero.baseline import megatron_baseline, upper_bound
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
+from hetero.costs import RECOMPUTE_MODES, CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.model import ModelSpec, load_model
 from hetero.plan import Plan
@@ -37,42 +38,107 @@ class PlannedJob:
     cluster: Cluster
 
 
+def precision_choices(cluster: Cluster, requested: str | None) -> list[tuple[str, Cluster, str]]:
+    """(precision, the devices that run it, why) for each way worth planning.
+
+    Asked for a precision: the devices that support it (the others left out, and said so).
+    Not asked: bf16 when every device has it; else fp16 on every device that has it, and
+    bf16 on the devices that have bf16: the planner keeps the faster of the two.
+    """
+    counts = cluster.device_counts()
+
+    def supporting(precision: str) -> list[str]:
+        return [t for t in counts if cluster.devices[t].supports(precision)]
+
+    def on(precision: str, why: str) -> tuple[str, Cluster, str] | None:
+        kept = supporting(precision)
+        if not kept:
+            return None
+        left_out = [t for t in counts if t not in kept]
+        if left_out:
+            why += f"; {', '.join(left_out)} left out (no {precision})"
+        return precision, (cluster if not left_out else cluster.keep(kept)), why
+
+    if requested is not None:
+        choice = on(requested, f"{requested} as asked")
+        if choice is None:
+            raise HeteroError(f"no device of cluster {cluster.name} supports {requested}; "
+                              "choose another --precision")
+        return [choice]
+    if len(supporting("bf16")) == len(counts):
+        return [("bf16", cluster, "bf16: every device supports it")]
+    lacking = ", ".join(t for t in counts if t not in supporting("bf16"))
+    choices = [on("fp16", f"fp16 on all devices ({lacking} has no bf16)"),
+               on("bf16", "bf16 on the devices that support it")]
+    return [c for c in choices if c is not None]
+
+
 def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
              options: PlannerOptions = PlannerOptions(), profiles: Profiles | None = None,
              with_baseline: bool = True, with_upper_bound: bool = True,
-             progress=None, profiles_source: str | None = None) -> PlannedJob:
-    """Plans, then measures the plan against the Megatron baseline and the upper bound."""
+             progress=None, profiles_source: str | None = None,
+             precision: str | None = "from-options") -> PlannedJob:
+    """Plans, then measures the plan against the Megatron baseline and the upper bound.
+
+    precision: "from-options" plans in options.setup.precision on every device; None
+    lets the planner pick from what the devices support (precision_choices); a name asks
+    for that precision on the devices that support it. A plan predicted slower than the
+    baseline is replaced by the baseline's layout (the planner never returns a worse one).
+    """
     start = time.perf_counter()
-    result = Planner(cluster, model, global_batch_size, options, profiles).plan(progress)
-    info = result.prediction.to_dict()
-    if with_upper_bound:
-        bound = upper_bound(cluster, model, global_batch_size, options, profiles)
-        info["upper_bound"] = bound.to_dict()
-        info["fraction_of_upper_bound"] = round(result.prediction.tokens_per_s / bound.tokens_per_s, 4)
+    if precision == "from-options":
+        choices = [(options.setup.precision, cluster, f"{options.setup.precision} as asked")]
+    else:
+        choices = precision_choices(cluster, precision)
+    planned = []
+    for name, devices, why in choices:
+        chosen = dataclasses.replace(options, setup=dataclasses.replace(options.setup, precision=name))
+        try:
+            result = Planner(devices, model, global_batch_size, chosen, profiles).plan(progress)
+        except HeteroError:
+            if len(choices) == 1:
+                raise
+            continue
+        planned.append((result.prediction.iteration_time_s, name, devices, why, chosen, result))
+    if not planned:
+        raise HeteroError(f"no plan fits in any of the precisions tried ({', '.join(c[0] for c in choices)})")
+    _, name, devices, why, options, result = min(planned, key=lambda p: p[0])
+    plan, prediction, family, setup = result.plan, result.prediction, result.family, result.setup
+    info = {}
+    baseline = None
     if with_baseline:
-        baseline = megatron_baseline(cluster, model, global_batch_size, options, profiles)
+        baseline = megatron_baseline(devices, model, global_batch_size, options, profiles)
+        if baseline and baseline.prediction.iteration_time_s < prediction.iteration_time_s:
+            plan, prediction, setup = baseline.plan, baseline.prediction, baseline.setup
+            family = "Megatron baseline (every planned layout was predicted slower)"
+    info.update(prediction.to_dict())
+    if with_upper_bound:
+        bound = upper_bound(devices, model, global_batch_size, options, profiles)
+        info["upper_bound"] = bound.to_dict()
+        info["fraction_of_upper_bound"] = round(prediction.tokens_per_s / bound.tokens_per_s, 4)
+    if with_baseline:
         info["baseline"] = baseline.to_dict() if baseline else None
         if baseline:
             info["speedup_over_baseline"] = round(
-                baseline.prediction.iteration_time_s / result.prediction.iteration_time_s, 4)
+                baseline.prediction.iteration_time_s / prediction.iteration_time_s, 4)
     extra = {
         "model": model.to_dict(),
         "training": {"global_batch_size": global_batch_size, "seq_length": model.seq_length,
-                     **options.setup.to_dict()},
-        "cluster": cluster.to_dict(),
+                     **setup.to_dict(), "precision_reason": why},
+        "cluster": devices.to_dict(),
         "prediction": info,
         "provenance": {
             "tool": f"hetero-plan {VERSION}",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "family": result.family,
+            "family": family,
             "search_time_s": round(result.search_time_s, 3),
             "total_time_s": round(time.perf_counter() - start, 3),
             "candidates_estimated": result.candidates_estimated,
             "profiles": profiles_source,
         },
     }
-    plan = Plan.from_dict({**result.plan.to_dict(), **extra})
-    return PlannedJob(plan, result.prediction, cluster)
+    plan = Plan.from_dict({**plan.to_dict(), **extra})
+    return PlannedJob(plan, prediction, devices)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -96,7 +162,18 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", default=None, help="directory of measured profiles (tools/)")
     p.add_argument("--roofline-for-missing", action="store_true",
                    help="with --profiles: estimate device types that have no profile")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default=None,
+                   help="default: bf16 if every device has it, else the faster of fp16 on all "
+                        "devices and bf16 without the devices that lack it")
+    p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default="auto",
+                   help="auto: per stage, the cheapest that fits")
+    p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="auto: on whenever TP > 1")
+    p.add_argument("--virtual-stages", type=_int_list, default=(1, 2),
+                   help="interleaving degrees to try (1: plain 1F1B)")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="megatron-core's local layers (CPU runs): attention keeps its score "
@@ -122,24 +199,31 @@ def _plan_command(argv: Sequence[str]) -> int:
     profiles = None
     if args.profiles:
         profiles = Profiles.load_dir(args.profiles)
-        missing = profiles.missing(list(cluster.device_counts()), model, args.precision)
+        missing = profiles.missing(list(cluster.device_counts()), model, args.precision or "bf16")
         if missing and not args.roofline_for_missing:
             raise HeteroError(
-                f"--profiles {args.profiles} has no {args.precision} compute profile of this model "
+                f"--profiles {args.profiles} has no {args.precision or 'bf16'} compute profile of this model "
                 f"shape for {', '.join(missing)}; measure them with tools/profile_compute.py, or "
                 "pass --roofline-for-missing to estimate them from the catalog"
             )
-    setup = TrainingSetup(precision=args.precision,
+    setup = TrainingSetup(precision=args.precision or "bf16",
                           distributed_optimizer=not args.no_distributed_optimizer,
-                          fused_kernels=not args.no_fused_kernels, dropout=not args.no_dropout)
-    options = PlannerOptions(tensor_parallel=args.tensor_parallel,
-                             micro_batch_sizes=args.micro_batch_size, setup=setup)
+                          fused_kernels=not args.no_fused_kernels, dropout=not args.no_dropout,
+                          overlap_grad_reduce=args.overlap_grad_reduce,
+                          overlap_param_gather=args.overlap_param_gather,
+                          grad_reduce_dtype="bf16" if args.grad_reduce_in_bf16 else None)
+    options = PlannerOptions(
+        tensor_parallel=args.tensor_parallel, micro_batch_sizes=args.micro_batch_size, setup=setup,
+        recompute_modes=RECOMPUTE_MODES if args.recompute == "auto" else (args.recompute,),
+        sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
+        virtual_stages=args.virtual_stages)
     def progress(step: str) -> None:
         print(f"  searching {step} ...", file=sys.stderr, flush=True)
 
     job = plan_job(cluster, model, args.global_batch_size, options, profiles,
                    with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
-                   progress=None if args.quiet else progress, profiles_source=args.profiles)
+                   progress=None if args.quiet else progress, profiles_source=args.profiles,
+                   precision=args.precision)
     job.plan.save(args.output)
     print(summary(job.plan, job.prediction, cluster, f"hetero-plan: wrote {args.output}"))
     if args.timeline:

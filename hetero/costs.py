@@ -192,28 +192,34 @@ class CostModel:
             return forward, 2 * forward
         return self._memo(("compute", device_name, tensor_parallel, micro_batch_size), compute)
 
-    def layer_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
-        """(forward, backward) compute of one layer, backward including recomputation."""
+    def layer_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int,
+                    recompute: str | None = None) -> tuple[float, float]:
+        """(forward, backward) compute of one layer, backward including recomputation (the
+        setup's, or the stage's own when given)."""
+        recompute = recompute or self.setup.recompute
         forward, backward = self.layer_compute(device_name, tensor_parallel, micro_batch_size)
-        if self.setup.recompute == "full":
+        if recompute == "full":
             backward += forward
-        elif self.setup.recompute == "selective":
+        elif recompute == "selective":
             core = self._attention_core_s(device_name, tensor_parallel, micro_batch_size)
             analytical = self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
             backward += forward * core / analytical  # the attention core's share, measured or not
         return forward, backward
 
-    def layer_cost(self, device_name: str, host: str, tensor_parallel: int, micro_batch_size: int) -> LayerCost:
+    def layer_cost(self, device_name: str, host: str, tensor_parallel: int, micro_batch_size: int,
+                   recompute: str | None = None) -> LayerCost:
         """One layer on one rank: compute, recomputation and the tensor-parallel all-reduces
         (two per layer in forward, two in backward, two more when the forward is
         recomputed; with sequence parallelism an all-gather and a reduce-scatter of the
         same volume each)."""
+        recompute = recompute or self.setup.recompute
+
         def compute() -> LayerCost:
-            forward, backward = self.layer_times(device_name, tensor_parallel, micro_batch_size)
+            forward, backward = self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute)
             allreduce = self.tp_allreduce(host, tensor_parallel, self.activation_bytes(micro_batch_size))
-            recomputed = 2 if self.setup.recompute == "full" else 0
+            recomputed = 2 if recompute == "full" else 0
             return LayerCost(forward + 2 * allreduce, backward + (2 + recomputed) * allreduce)
-        return self._memo(("layer", device_name, host, tensor_parallel, micro_batch_size), compute)
+        return self._memo(("layer", device_name, host, tensor_parallel, micro_batch_size, recompute), compute)
 
     def logits_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
         """(forward, backward) of the output layer and loss on the last stage."""

@@ -91,7 +91,9 @@ def rank_memory(
     num_stages: int,
     num_micro_batches: int,
     distributed_optimizer: bool | None = None,
+    recompute: str | None = None,
 ) -> MemoryEstimate:
+    """One rank's memory; recompute is the stage's own mode (default: the setup's)."""
     setup = costs.setup
     if distributed_optimizer is None:
         distributed_optimizer = setup.distributed_optimizer
@@ -99,7 +101,7 @@ def rank_memory(
     params = stage_params(costs, num_layers, first, last, num_stages) / tensor_parallel
     optimizer_bytes = setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1)
     in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
-    per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size)
+    per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
     if last:
         per_micro_batch += costs.model.logits_activation_bytes(
             micro_batch_size, tensor_parallel, setup.value_bytes)

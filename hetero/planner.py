@@ -24,6 +24,7 @@ side) and judged by the exact predictor. Deterministic for the same input.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -58,6 +59,16 @@ class PlannerOptions:
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     setup: TrainingSetup = TrainingSetup()
+    """The job's settings; its recompute is the least a stage uses, its
+    sequence_parallel and virtual_stages are overridden by the two options below."""
+    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+    """Per stage, the first of these whose activations fit (cheapest first)."""
+    sequence_parallel: bool | None = None
+    """None: on whenever TP > 1 (same communication volume, less memory and fewer
+    element-wise passes per rank, so it never loses); True/False: forced."""
+    virtual_stages: tuple[int, ...] = (1, 2)
+    """Interleaving degrees tried on the best candidates (pipelines of 2+ stages whose
+    stages' layers divide evenly)."""
     exact_candidates: int = 4
     """How many of the best estimates overall the exact predictor judges..."""
     exact_per_family: int = 1
@@ -90,6 +101,8 @@ class Candidate:
     """Class index of each stage, per replica."""
     micro_batches: list[int]
     estimate_s: float
+    recompute: list[str] | None = None
+    """Recomputation of each stage (None: the setup's everywhere)."""
 
 
 @dataclass
@@ -99,6 +112,8 @@ class PlanResult:
     family: str
     search_time_s: float
     candidates_estimated: int
+    setup: TrainingSetup
+    """The settings the plan was predicted with (sequence parallelism, interleaving)."""
 
 
 def device_classes(cluster: Cluster) -> list[DeviceClass]:
@@ -173,11 +188,21 @@ class Planner:
         self.cluster, self.model, self.options = cluster, model, options
         self.global_batch_size = global_batch_size
         self.setup = options.setup
-        self.costs = CostModel(cluster, model, self.setup, profiles)
+        self.profiles = profiles
+        self._costs: dict[tuple[int, int], CostModel] = {}
+        self.costs = self.costs_for(1)
         self.classes = device_classes(cluster)
         self._class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
         self.estimated = 0
         self._cache: dict[tuple, object] = {}
+
+    def costs_for(self, tensor_parallel: int, virtual_stages: int = 1) -> CostModel:
+        """The cost model of the setup a plan of this TP degree runs with."""
+        key = (tensor_parallel, virtual_stages)
+        if key not in self._costs:
+            self._costs[key] = CostModel(self.cluster, self.model, setup_for(
+                self.options, tensor_parallel, virtual_stages), self.profiles)
+        return self._costs[key]
 
     def _memo(self, key: tuple, compute: Callable[[], object]):
         if key not in self._cache:
@@ -186,29 +211,30 @@ class Planner:
 
     # ----- per-class building blocks ------------------------------------------------------
 
-    def _layer_cost(self, c: int, tp: int, mbs: int):
+    def _layer_cost(self, c: int, tp: int, mbs: int, recompute: str | None = None):
         cl = self.classes[c]
-        return self.costs.layer_cost(cl.device_type, cl.hosts[0], tp, mbs)
+        return self.costs_for(tp).layer_cost(cl.device_type, cl.hosts[0], tp, mbs, recompute)
 
-    def _layer_time(self, c: int, tp: int, mbs: int) -> float:
-        return self._layer_cost(c, tp, mbs).total_s
+    def _layer_time(self, c: int, tp: int, mbs: int, recompute: str | None = None) -> float:
+        return self._layer_cost(c, tp, mbs, recompute).total_s
 
     def _logits_time(self, c: int, tp: int, mbs: int) -> float:
         return self._memo(("logits", c, tp, mbs),
-                          lambda: sum(self.costs.logits_times(self.classes[c].device_type, tp, mbs)))
+                          lambda: sum(self.costs_for(tp).logits_times(self.classes[c].device_type, tp, mbs)))
 
-    def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
+    def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int,
+                   recompute: str | None = None) -> int:
         """Most decoder layers stage `stage` can hold on a device of class c: the memory
         model's own answer (memory.layer_capacity), for the most micro-batches a replica
         could run."""
         total_mb = self.global_batch_size // mbs
         in_flight_key = min(stages - stage, total_mb) if self.setup.virtual_stages == 1 else (stages - stage, total_mb)
-        key = ("cap", c, tp, mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1)
+        key = ("cap", c, tp, mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1, recompute)
         cl = self.classes[c]
         return self._memo(key, lambda: layer_capacity(
-            self.costs, self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
+            self.costs_for(tp), self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
             tensor_parallel=tp, data_parallel=dp, micro_batch_size=mbs, stage=stage,
-            num_stages=stages, num_micro_batches=total_mb))
+            num_stages=stages, num_micro_batches=total_mb, recompute=recompute))
 
     def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
         """One activation across a pipeline boundary from class a to class b."""
@@ -217,9 +243,9 @@ class Planner:
             ca, cb = self.classes[a], self.classes[b]
             if a == b:
                 other = ca.hosts[0] if same_node or len(ca.hosts) == 1 else ca.hosts[1]
-                self._cache[key] = self.costs.stage_transfer(ca.hosts[0], other, tp, mbs)
+                self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], other, tp, mbs)
             else:
-                self._cache[key] = self.costs.stage_transfer(ca.hosts[0], cb.hosts[0], tp, mbs, crossings)
+                self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], cb.hosts[0], tp, mbs, crossings)
         return self._cache[key]
 
     def _group_terms(self, parts: tuple[GroupPart, ...], crossings: int) -> tuple[float, float]:
@@ -256,9 +282,6 @@ class Planner:
             return None
         distinct = sorted({p for p, _ in patterns})
         at_stage = [sorted({p[s] for p in distinct}) for s in range(stages)]
-        caps = [min(self._layer_cap(c, tp, mbs, d, s, stages) for c in at_stage[s]) for s in range(stages)]
-        if min(caps) < 1:
-            return None
         crossings = d * tp  # every replica's transfer at a boundary runs at once
 
         def sends(pattern: tuple[int, ...]) -> list[float]:
@@ -272,20 +295,18 @@ class Planner:
             return out
 
         pattern_sends = {p: sends(p) for p in distinct}
-        per_layer = [max(self._layer_time(c, tp, mbs) for c in at_stage[s]) for s in range(stages)]
         extra = [max(pattern_sends[p][s] for p in distinct) for s in range(stages)]
         extra[-1] += max(self._logits_time(c, tp, mbs) for c in at_stage[-1])
-        layers = split_layers(self.model.num_layers, per_layer, extra, caps)
-        if layers is None:
+        found = self._split_with_recompute(tp, mbs, d, at_stage, extra)
+        if found is None:
             return None
+        layers, modes = found
         shape = {}
         for p in distinct:
-            work = [n * self._layer_time(c, tp, mbs) + x for n, c, x in zip(layers, p, pattern_sends[p])]
+            work = [n * self._layer_time(c, tp, mbs, r) + x
+                    for n, c, x, r in zip(layers, p, pattern_sends[p], modes)]
             work[-1] += self._logits_time(p[-1], tp, mbs)
-            # Interleaving divides the fill (the bubble) by v; each chunk sends on.
-            v = self.setup.virtual_stages
-            sends = max(pattern_sends[p])
-            shape[p] = ((sum(work) - max(work)) / v, max(work) + (v - 1) * sends)
+            shape[p] = (sum(work) - max(work), max(work))
         counts: dict[tuple, int] = {}
         for p, n in patterns:
             counts[p] = counts.get(p, 0) + n
@@ -295,19 +316,41 @@ class Planner:
         pipeline = max(shape[p][0] + m * shape[p][1] for p in micro for m in micro[p])
         spanning = sum(len({self.classes[c].group for c, *_ in parts}) > 1 for parts in dp_parts)
         group_crossings = max(1, tp * spanning)
-        reduce = max(self.costs.gradient_sync(
+        costs = self.costs_for(tp)
+        reduce = max(costs.gradient_sync(
             self._group_terms(dp_parts[s], group_crossings), self._stage_params(layers, s) / tp, d,
-            layers[s] * min(self._layer_cost(c, tp, mbs).backward_s for c in at_stage[s]))
+            layers[s] * min(self._layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
             for s in range(stages))
         share = d if self.setup.distributed_optimizer else 1
-        optimizer = max(self.costs.optimizer_step(self.classes[c].device_type,
+        optimizer = max(costs.optimizer_step(self.classes[c].device_type,
                                                   self._stage_params(layers, s) / tp / share)
                         for s in range(stages) for c in at_stage[s])
         given = {p: iter(micro[p]) for p in micro}
         replica_classes = [p for p, n in patterns for _ in range(n)]
         micro_batches = [next(given[p]) for p in replica_classes]
         return Candidate(family, order, tp, mbs, layers, replica_classes, micro_batches,
-                         pipeline + reduce + optimizer)
+                         pipeline + reduce + optimizer, modes)
+
+    def _split_with_recompute(self, tp: int, mbs: int, d: int, at_stage: list[list[int]],
+                              extra: list[float]) -> tuple[list[int], list[str]] | None:
+        """Layers per stage and each stage's recomputation: every stage starts with the
+        cheapest mode; while the layers do not fit, the stage with the least room moves
+        to the next mode (its activations shrink, its backward grows)."""
+        stages, modes_tried = len(at_stage), self.options.recompute_modes
+        level = [0] * stages
+        while True:
+            modes = [modes_tried[i] for i in level]
+            caps = [min(self._layer_cap(c, tp, mbs, d, s, stages, modes[s]) for c in at_stage[s])
+                    for s in range(stages)]
+            if min(caps) >= 1:
+                per_layer = [max(self._layer_time(c, tp, mbs, modes[s]) for c in at_stage[s]) for s in range(stages)]
+                layers = split_layers(self.model.num_layers, per_layer, extra, caps)
+                if layers is not None:
+                    return layers, modes
+            upgradable = [s for s in range(stages) if level[s] + 1 < len(modes_tried)]
+            if not upgradable:
+                return None
+            level[min(upgradable, key=lambda s: (caps[s], s))] += 1
 
     # ----- the three families -----------------------------------------------------------
 
@@ -394,8 +437,14 @@ class Planner:
     # ----- from a candidate to a plan -----------------------------------------------------
 
     def materialize(self, candidate: Candidate, order: str) -> Plan:
-        return place(self.cluster, self.classes, candidate.tensor_parallel, candidate.micro_batch_size,
+        plan = place(self.cluster, self.classes, candidate.tensor_parallel, candidate.micro_batch_size,
                      candidate.layers, candidate.replica_classes, candidate.micro_batches, order)
+        if candidate.recompute and any(mode != "none" for mode in candidate.recompute):
+            data = plan.to_dict()
+            for stage, mode in zip(data["stages"], candidate.recompute):
+                stage["recompute"] = mode
+            plan = Plan.from_dict(data)
+        return plan
 
     # ----- search -------------------------------------------------------------------------
 
@@ -445,18 +494,28 @@ class Planner:
             raise HeteroError("global batch size must be at least 1")
         start = time.perf_counter()
         found = self.candidates(progress)
-        best: tuple[float, Plan, Prediction, str] | None = None
+        best: tuple[float, Plan, Prediction, str, TrainingSetup] | None = None
         shortlist = self._shortlist(found)
         trials = [(c, c.order) for c in shortlist]
         trials += [(c, o) for c in shortlist[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
         for candidate, order in trials:
             plan = self.materialize(candidate, order)
-            prediction = predict(plan, self.cluster, self.costs)
-            if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
-                best = (prediction.iteration_time_s, plan, prediction, candidate.family)
+            for v in self._interleavings(plan):
+                costs = self.costs_for(candidate.tensor_parallel, v)
+                prediction = predict(plan, self.cluster, costs)
+                if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
+                    best = (prediction.iteration_time_s, plan, prediction, candidate.family, costs.setup)
         if best is None:
             raise HeteroError(self._why_nothing_fits())
-        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated)
+        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated, best[4])
+
+    def _interleavings(self, plan: Plan) -> list[int]:
+        """Virtual-stage counts Megatron can run this plan with: every stage's layers split
+        into v equal chunks, every replica with at least as many micro-batches as stages."""
+        pp = plan.pipeline_parallel
+        return [v for v in self.options.virtual_stages
+                if v == 1 or (pp > 1 and all(st.num_layers % v == 0 for st in plan.stages)
+                              and all(r.num_micro_batches >= pp for r in plan.replicas))]
 
     def _why_nothing_fits(self) -> str:
         largest = max(self.cluster.devices[c.device_type].memory_gib for c in self.classes)
@@ -467,6 +526,15 @@ class Planner:
             f"{self.options.tensor_parallel} x PP x DP split; add devices, lower the micro-batch "
             "size or sequence length, or use the distributed optimizer"
         )
+
+
+def setup_for(options: PlannerOptions, tensor_parallel: int, virtual_stages: int = 1) -> TrainingSetup:
+    """The job's settings for a plan of this TP degree and interleaving: sequence
+    parallelism as the options say (by default on whenever TP > 1)."""
+    wanted = options.sequence_parallel
+    sequence_parallel = tensor_parallel > 1 and (wanted is None or wanted)
+    return dataclasses.replace(options.setup, sequence_parallel=sequence_parallel,
+                               virtual_stages=virtual_stages)
 
 
 class _StageSweep:

@@ -104,6 +104,11 @@ def slots(plan: Plan, cluster: Cluster) -> list[list[StageSlot]]:
     return grid
 
 
+def stage_recompute(plan: Plan, stage: int, costs: CostModel) -> str:
+    """A stage's recomputation: its own entry's, else the job's."""
+    return getattr(plan.stages[stage], "recompute", None) or costs.setup.recompute
+
+
 def _crossings(cluster: Cluster, pairs: list[tuple[str, str]]) -> int:
     return sum(cluster.node(a).group != cluster.node(b).group for a, b in pairs)
 
@@ -119,7 +124,7 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
 
     def timing(slot: StageSlot) -> StageTiming:
         s, d, host = slot.stage, slot.replica, slot.hosts[0]
-        layer = costs.layer_cost(slot.device_type, host, tp, mbs)
+        layer = costs.layer_cost(slot.device_type, host, tp, mbs, stage_recompute(plan, s, costs))
         forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
         if s == pp - 1:
             logits_f, logits_b = costs.logits_times(slot.device_type, tp, mbs)
@@ -204,7 +209,8 @@ def stage_memories(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[li
                 memories[key] = rank_memory(
                     costs, vendor=slot.vendor, tensor_parallel=plan.tensor_parallel,
                     data_parallel=plan.data_parallel, micro_batch_size=plan.micro_batch_size,
-                    num_layers=layers, stage=s, num_stages=pp, num_micro_batches=m)
+                    num_layers=layers, stage=s, num_stages=pp, num_micro_batches=m,
+                    recompute=stage_recompute(plan, s, costs))
             memory = memories[key]
             device = cluster.devices[slot.device_type]
             reports.append(StageReport(slot, layers, timings[d][s], memory, capacity_bytes(device.memory_gib)))

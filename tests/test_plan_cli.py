@@ -41,8 +41,11 @@ def test_writes_a_plan_with_its_prediction_and_explains_it(tmp_path, capsys):
     training = data["training"]
     assert {k: training[k] for k in ("global_batch_size", "seq_length", "precision", "distributed_optimizer",
                                      "fused_kernels", "dropout")} == {
-        "global_batch_size": 256, "seq_length": 2048, "precision": "bf16", "distributed_optimizer": True,
+        "global_batch_size": 256, "seq_length": 2048, "precision": "fp16", "distributed_optimizer": True,
         "fused_kernels": True, "dropout": True}
+    # V100s have no bf16: the planner chose fp16 on every device over bf16 on the A100s alone
+    assert training["precision_reason"] == "fp16 on all devices (V100-16GB has no bf16)"
+    assert "precision  fp16 on all devices (V100-16GB has no bf16)" in printed
     assert TrainingSetup.from_dict(training).recompute in ("none", "selective", "full")
     plan = Plan.load(out)
     assert plan.global_batch_size == 256 and plan.world_size <= 128
