@@ -48,7 +48,7 @@ from hetero.placement import (
     representative_hosts,
 )
 from hetero.plan import Plan
-from hetero.predictor import Prediction, predict
+from hetero.predictor import Prediction, predict, stage_recompute
 from hetero.profiles import Profiles
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
@@ -223,11 +223,11 @@ class Planner:
                           lambda: sum(self.costs_for(tp).logits_times(self.classes[c].device_type, tp, mbs)))
 
     def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int,
-                   recompute: str | None = None) -> int:
+                   recompute: str | None = None, num_micro_batches: int | None = None) -> int:
         """Most decoder layers stage `stage` can hold on a device of class c: the memory
         model's own answer (memory.layer_capacity), for the most micro-batches a replica
-        could run."""
-        total_mb = self.global_batch_size // mbs
+        runs (by default: could run)."""
+        total_mb = num_micro_batches or self.global_batch_size // mbs
         in_flight_key = min(stages - stage, total_mb) if self.setup.virtual_stages == 1 else (stages - stage, total_mb)
         key = ("cap", c, tp, mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1, recompute)
         cl = self.classes[c]
@@ -301,12 +301,7 @@ class Planner:
         if found is None:
             return None
         layers, modes = found
-        shape = {}
-        for p in distinct:
-            work = [n * self._layer_time(c, tp, mbs, r) + x
-                    for n, c, x, r in zip(layers, p, pattern_sends[p], modes)]
-            work[-1] += self._logits_time(p[-1], tp, mbs)
-            shape[p] = (sum(work) - max(work), max(work))
+        shape = {p: self._replica_shape(p, layers, modes, tp, mbs, pattern_sends[p]) for p in distinct}
         counts: dict[tuple, int] = {}
         for p, n in patterns:
             counts[p] = counts.get(p, 0) + n
@@ -316,20 +311,68 @@ class Planner:
         pipeline = max(shape[p][0] + m * shape[p][1] for p in micro for m in micro[p])
         spanning = sum(len({self.classes[c].group for c, *_ in parts}) > 1 for parts in dp_parts)
         group_crossings = max(1, tp * spanning)
-        costs = self.costs_for(tp)
-        reduce = max(costs.gradient_sync(
-            self._group_terms(dp_parts[s], group_crossings), self._stage_params(layers, s) / tp, d,
-            layers[s] * min(self._layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
-            for s in range(stages))
-        share = d if self.setup.distributed_optimizer else 1
-        optimizer = max(costs.optimizer_step(self.classes[c].device_type,
-                                                  self._stage_params(layers, s) / tp / share)
-                        for s in range(stages) for c in at_stage[s])
+        terms = [self._group_terms(dp_parts[s], group_crossings) for s in range(stages)]
+        after = self._reduce_and_step(tp, mbs, d, layers, modes, at_stage, terms)
         given = {p: iter(micro[p]) for p in micro}
         replica_classes = [p for p, n in patterns for _ in range(n)]
         micro_batches = [next(given[p]) for p in replica_classes]
         return Candidate(family, order, tp, mbs, layers, replica_classes, micro_batches,
-                         pipeline + reduce + optimizer, modes)
+                         pipeline + after, modes)
+
+    # The pieces of an estimate, shared by _judge (which also chooses the layout) and
+    # estimate (a given plan).
+
+    def _replica_shape(self, pattern: tuple[int, ...], layers: list[int], modes: list[str], tp: int,
+                       mbs: int, sends: list[float]) -> tuple[float, float]:
+        """(fill, step) of a replica whose stages are on classes `pattern`: running m
+        micro-batches takes about fill + m * step (the slowest stage paces the pipeline,
+        the others fill and drain it)."""
+        work = [n * self._layer_time(c, tp, mbs, r) + x for n, c, x, r in zip(layers, pattern, sends, modes)]
+        work[-1] += self._logits_time(pattern[-1], tp, mbs)
+        return sum(work) - max(work), max(work)
+
+    def _reduce_and_step(self, tp: int, mbs: int, d: int, layers: list[int], modes: list[str],
+                         at_stage: list[list[int]], terms: list[tuple[float, float]]) -> float:
+        """The slowest stage's exposed gradient synchronisation plus the slowest optimizer
+        step: the same CostModel functions the predictor calls."""
+        costs = self.costs_for(tp)
+        reduce = max(costs.gradient_sync(
+            terms[s], self._stage_params(layers, s) / tp, d,
+            layers[s] * min(self._layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
+            for s in range(len(layers)))
+        share = d if self.setup.distributed_optimizer else 1
+        optimizer = max(costs.optimizer_step(self.classes[c].device_type, self._stage_params(layers, s) / tp / share)
+                        for s in range(len(layers)) for c in at_stage[s])
+        return reduce + optimizer
+
+    def estimate(self, plan: Plan) -> tuple[bool, float]:
+        """The fast estimate of a given plan (its layout, layers, micro-batches and
+        recomputation as they are): (fits in memory, seconds per iteration). What the
+        search ranks candidates by, applied to any plan: tests compare it with predict()."""
+        tp, pp, dp, mbs = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
+        costs = self.costs_for(tp)
+        hosts = [[plan.stage_device(d, s).host for s in range(pp)] for d in range(dp)]
+        patterns = [tuple(self._class_of[h] for h in row) for row in hosts]
+        at_stage = [sorted({p[s] for p in patterns}) for s in range(pp)]
+        layers = [stage.num_layers for stage in plan.stages]
+        modes = [stage_recompute(plan, s, costs) for s in range(pp)]
+        fits = all(layers[s] <= self._layer_cap(pattern[s], tp, mbs, dp, s, pp, modes[s],
+                                                plan.replicas[d].num_micro_batches)
+                   for d, pattern in enumerate(patterns) for s in range(pp))
+        crossings = dp * tp
+        pipeline = 0.0
+        for d, pattern in enumerate(patterns):
+            sends = [0.0] * pp
+            for s in range(pp - 1):
+                a, b, same = pattern[s], pattern[s + 1], hosts[d][s] == hosts[d][s + 1]
+                sends[s] += self._send_time(a, b, tp, mbs, same, crossings)
+                sends[s + 1] += self._send_time(b, a, tp, mbs, same, crossings)
+            fill, step = self._replica_shape(pattern, layers, modes, tp, mbs, sends)
+            pipeline = max(pipeline, fill + plan.replicas[d].num_micro_batches * step)
+        groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
+        spanning = sum(len({self.cluster.node(h).group for h in g}) > 1 for g in groups)
+        terms = [costs.allreduce_terms(tuple(g), max(1, tp * spanning)) for g in groups]
+        return fits, pipeline + self._reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms)
 
     def _split_with_recompute(self, tp: int, mbs: int, d: int, at_stage: list[list[int]],
                               extra: list[float]) -> tuple[list[int], list[str]] | None:
