@@ -53,7 +53,8 @@ def main() -> int:
         cluster = Cluster.load(CLUSTERS / cluster_file)
         model = load_model(model_name).with_seq_length(seq)
         start = time.perf_counter()
-        job = plan_job(cluster, model, gbs, with_baseline=not args.quick, with_upper_bound=not args.quick)
+        job = plan_job(cluster, model, gbs, with_baseline=not args.quick, with_upper_bound=not args.quick,
+                       precision=None)  # the planner picks it from the devices
         total = time.perf_counter() - start
         info = job.plan.model_extra["prediction"]
         provenance = job.plan.model_extra["provenance"]
@@ -65,8 +66,12 @@ def main() -> int:
             speedup = f"{info['speedup_over_baseline']:.2f}x"
         else:
             speedup = "cannot fit"  # no uniform Megatron plan fits the cluster
+        training = p.model_extra["training"]
+        recompute = sorted({getattr(st, "recompute", None) or "none" for st in p.stages})
         layout = (f"TP{p.tensor_parallel} PP{p.pipeline_parallel} DP{p.data_parallel} "
-                  f"mb{p.micro_batch_size} {provenance['family']}")
+                  f"mb{p.micro_batch_size} v{training['virtual_stages']} "
+                  f"{'SP ' if training['sequence_parallel'] else ''}recompute {'/'.join(recompute)} "
+                  f"{training['precision']} {provenance['family']}")
         print(f"{name:16} {cluster.num_devices:7d} {model_name:11} {provenance['search_time_s']:8.2f} "
               f"{total:8.1f} {info['tokens_per_s']:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
     return 0

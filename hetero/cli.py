@@ -38,39 +38,43 @@ class PlannedJob:
     cluster: Cluster
 
 
-def precision_choices(cluster: Cluster, requested: str | None) -> list[tuple[str, Cluster, str]]:
-    """(precision, the devices that run it, why) for each way worth planning.
+def precision_choices(cluster: Cluster, requested: str | None) -> tuple[str, Cluster, str]:
+    """(precision to plan in, the devices that run it, why).
 
     Asked for a precision: the devices that support it (the others left out, and said so).
-    Not asked: bf16 when every device has it; else fp16 on every device that has it, and
-    bf16 on the devices that have bf16: the planner keeps the faster of the two.
+    Not asked: bf16 when every device has it; else fp16 on every device (the planner may
+    still leave the devices without bf16 out; plan_job then switches to bf16).
     """
     counts = cluster.device_counts()
-
-    def supporting(precision: str) -> list[str]:
-        return [t for t in counts if cluster.devices[t].supports(precision)]
-
-    def on(precision: str, why: str) -> tuple[str, Cluster, str] | None:
-        kept = supporting(precision)
-        if not kept:
-            return None
-        left_out = [t for t in counts if t not in kept]
-        if left_out:
-            why += f"; {', '.join(left_out)} left out (no {precision})"
-        return precision, (cluster if not left_out else cluster.keep(kept)), why
-
+    kept = [t for t in counts if cluster.devices[t].supports(requested or "bf16")]
+    left_out = [t for t in counts if t not in kept]
     if requested is not None:
-        choice = on(requested, f"{requested} as asked")
-        if choice is None:
+        if not kept:
             raise HeteroError(f"no device of cluster {cluster.name} supports {requested}; "
                               "choose another --precision")
-        return [choice]
-    if len(supporting("bf16")) == len(counts):
-        return [("bf16", cluster, "bf16: every device supports it")]
-    lacking = ", ".join(t for t in counts if t not in supporting("bf16"))
-    choices = [on("fp16", f"fp16 on all devices ({lacking} has no bf16)"),
-               on("bf16", "bf16 on the devices that support it")]
-    return [c for c in choices if c is not None]
+        if left_out:
+            return (requested, cluster.keep(kept),
+                    f"{requested} as asked; {', '.join(left_out)} left out (no {requested})")
+        return requested, cluster, f"{requested} as asked"
+    if not left_out:
+        return "bf16", cluster, "bf16: every device supports it"
+    return "fp16", cluster, f"fp16 on all devices ({', '.join(left_out)} has no bf16)"
+
+
+def _prefer_bf16(cluster: Cluster, model: ModelSpec, result, profiles: Profiles | None):
+    """An fp16 plan that uses only devices with bf16, predicted again in bf16: the same
+    speed (same peak rates) but fp32 gradients; taken when it still fits and is no more
+    than 5% slower (bf16 needs no loss scaling)."""
+    used = {d.device_type for d in result.plan.devices}
+    if not all(cluster.devices[t].supports("bf16") for t in used):
+        return None
+    setup = dataclasses.replace(result.setup, precision="bf16")
+    prediction = predict(result.plan, cluster, CostModel(cluster, model, setup, profiles))
+    if prediction.fits and prediction.iteration_time_s <= 1.05 * result.prediction.iteration_time_s:
+        left_out = sorted(t for t in cluster.device_counts() if t not in used)
+        why = f"bf16: the plan leaves {', '.join(left_out)} out (no bf16), every device it uses has bf16"
+        return dataclasses.replace(result, prediction=prediction, setup=setup), why
+    return None
 
 
 def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
@@ -87,22 +91,18 @@ def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
     """
     start = time.perf_counter()
     if precision == "from-options":
-        choices = [(options.setup.precision, cluster, f"{options.setup.precision} as asked")]
+        name, devices, why = options.setup.precision, cluster, f"{options.setup.precision} as asked"
     else:
-        choices = precision_choices(cluster, precision)
-    planned = []
-    for name, devices, why in choices:
-        chosen = dataclasses.replace(options, setup=dataclasses.replace(options.setup, precision=name))
-        try:
-            result = Planner(devices, model, global_batch_size, chosen, profiles).plan(progress)
-        except HeteroError:
-            if len(choices) == 1:
-                raise
-            continue
-        planned.append((result.prediction.iteration_time_s, name, devices, why, chosen, result))
-    if not planned:
-        raise HeteroError(f"no plan fits in any of the precisions tried ({', '.join(c[0] for c in choices)})")
-    _, name, devices, why, options, result = min(planned, key=lambda p: p[0])
+        name, devices, why = precision_choices(cluster, precision)
+    options = dataclasses.replace(options, setup=dataclasses.replace(options.setup, precision=name))
+    result = Planner(devices, model, global_batch_size, options, profiles).plan(progress)
+    if precision is None and name == "fp16":
+        switched = _prefer_bf16(devices, model, result, profiles)
+        if switched is not None:
+            result, why = switched
+            options = dataclasses.replace(options, setup=dataclasses.replace(options.setup, precision="bf16"))
+            devices = devices.keep(sorted({d.device_type for d in result.plan.devices}))
+    searched, estimated = result.search_time_s, result.candidates_estimated
     plan, prediction, family, setup = result.plan, result.prediction, result.family, result.setup
     info = {}
     baseline = None
@@ -131,9 +131,9 @@ def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
             "tool": f"hetero-plan {VERSION}",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "family": family,
-            "search_time_s": round(result.search_time_s, 3),
+            "search_time_s": round(searched, 3),
             "total_time_s": round(time.perf_counter() - start, 3),
-            "candidates_estimated": result.candidates_estimated,
+            "candidates_estimated": estimated,
             "profiles": profiles_source,
         },
     }

@@ -180,6 +180,11 @@ class CostModel:
     def _compute_profile(self, device_name: str):
         return self.profiles.compute_profile(device_name, self.model, self.setup.precision)
 
+    def _profiled_at(self, device_name: str, tensor_parallel: int) -> bool:
+        profile = self._compute_profile(device_name)
+        return profile is not None and tensor_parallel > 1 and any(
+            e.tensor_parallel == tensor_parallel for e in profile.entries)
+
     def layer_compute(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
         """(forward, backward) seconds of one decoder layer's compute for one micro-batch,
         without recomputation or communication."""
@@ -217,6 +222,8 @@ class CostModel:
         def compute() -> LayerCost:
             forward, backward = self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute)
             allreduce = self.tp_allreduce(host, tensor_parallel, self.activation_bytes(micro_batch_size))
+            if self._profiled_at(device_name, tensor_parallel):
+                allreduce = 0.0  # measured with its tensor-parallel group: the all-reduces are in it
             recomputed = 2 if recompute == "full" else 0
             return LayerCost(forward + 2 * allreduce, backward + (2 + recomputed) * allreduce)
         return self._memo(("layer", device_name, host, tensor_parallel, micro_batch_size, recompute), compute)

@@ -92,15 +92,18 @@ def rank_memory(
     num_micro_batches: int,
     distributed_optimizer: bool | None = None,
     recompute: str | None = None,
+    in_flight: float | None = None,
 ) -> MemoryEstimate:
-    """One rank's memory; recompute is the stage's own mode (default: the setup's)."""
+    """One rank's memory; recompute is the stage's own mode (default: the setup's);
+    in_flight overrides the micro-batches the schedule keeps in flight."""
     setup = costs.setup
     if distributed_optimizer is None:
         distributed_optimizer = setup.distributed_optimizer
     first, last = stage == 0, stage == num_stages - 1
     params = stage_params(costs, num_layers, first, last, num_stages) / tensor_parallel
     optimizer_bytes = setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1)
-    in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
+    if in_flight is None:
+        in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
     per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
     if last:
         per_micro_batch += costs.model.logits_activation_bytes(
@@ -134,3 +137,39 @@ def layer_capacity(costs: CostModel, memory_gib: float, **placement) -> int:
     per_layer = rank_memory(costs, num_layers=1, **placement).total - empty
     room = capacity_bytes(memory_gib) - empty
     return max(0, int(room // per_layer)) if per_layer > 0 else 0
+
+
+@dataclass(frozen=True)
+class StageMemoryTerms:
+    """rank_memory of one kind of stage (first, middle, last, or the only one) as the
+    bilinear function it is: fixed + per_flight*f + n*(per_layer + per_layer_flight*f)
+    bytes for n layers and f micro-batches in flight."""
+
+    fixed: float
+    per_flight: float
+    per_layer: float
+    per_layer_flight: float
+
+    def capacity(self, memory_gib: float, in_flight: float) -> int:
+        """Most layers that fit with `in_flight` micro-batches in flight."""
+        room = capacity_bytes(memory_gib) - self.fixed - self.per_flight * in_flight
+        per_layer = self.per_layer + self.per_layer_flight * in_flight
+        return max(0, int(room // per_layer)) if per_layer > 0 else 0
+
+
+def stage_memory_terms(costs: CostModel, *, first: bool, last: bool, **placement) -> StageMemoryTerms:
+    """StageMemoryTerms from four evaluations of rank_memory (n in {0, 1}, f in {1, 2}).
+    `placement`: rank_memory's keywords other than num_layers, stage, num_stages,
+    num_micro_batches and in_flight."""
+    stage, num_stages = {(True, True): (0, 1), (True, False): (0, 2), (False, True): (1, 2),
+                         (False, False): (1, 3)}[(first, last)]
+
+    def total(n: int, f: int) -> float:
+        return rank_memory(costs, num_layers=n, stage=stage, num_stages=num_stages, num_micro_batches=f,
+                           in_flight=f, **placement).total
+
+    m01, m02, m11, m12 = total(0, 1), total(0, 2), total(1, 1), total(1, 2)
+    per_flight = m02 - m01
+    per_layer_flight = (m12 - m11) - per_flight
+    per_layer = (m11 - m01) - per_layer_flight
+    return StageMemoryTerms(m01 - per_flight, per_flight, per_layer, per_layer_flight)

@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 from hetero.cluster import Cluster
 from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
-from hetero.memory import layer_capacity, stage_params
+from hetero.memory import layer_capacity, micro_batches_in_flight, stage_memory_terms, stage_params
 from hetero.model import ModelSpec
 from hetero.placement import (
     ORDERS,
@@ -190,6 +190,10 @@ class Planner:
         self.setup = options.setup
         self.profiles = profiles
         self._costs: dict[tuple[int, int], CostModel] = {}
+        # With fused (flash) attention no score matrix is kept: selective recomputation
+        # saves no memory there, only costs time.
+        self._recompute_modes = tuple(m for m in options.recompute_modes
+                                      if not (m == "selective" and options.setup.fused_kernels)) or ("none",)
         self.costs = self.costs_for(1)
         self.classes = device_classes(cluster)
         self._class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
@@ -235,6 +239,25 @@ class Planner:
             self.costs_for(tp), self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
             tensor_parallel=tp, data_parallel=dp, micro_batch_size=mbs, stage=stage,
             num_stages=stages, num_micro_batches=total_mb, recompute=recompute))
+
+    def _stage_caps(self, c: int, tp: int, mbs: int, dp: int, stages: int, recompute: str) -> list[int]:
+        """_layer_cap of every stage of a pipeline this deep: the memory model's bilinear
+        terms per kind of stage (memory.stage_memory_terms), evaluated at each stage's
+        micro-batches in flight."""
+        def compute() -> list[int]:
+            cl = self.classes[c]
+            memory_gib = self.cluster.devices[cl.device_type].memory_gib
+            total_mb = self.global_batch_size // mbs
+            v = self.setup.virtual_stages
+            caps = []
+            for s in range(stages):
+                first, last = s == 0, s == stages - 1
+                terms = self._memo(("terms", c, tp, mbs, dp, recompute, first, last), lambda: stage_memory_terms(
+                    self.costs_for(tp), first=first, last=last, vendor=cl.vendor, tensor_parallel=tp,
+                    data_parallel=dp, micro_batch_size=mbs, recompute=recompute))
+                caps.append(terms.capacity(memory_gib, micro_batches_in_flight(s, stages, total_mb, v)))
+            return caps
+        return self._memo(("caps", c, tp, mbs, dp, stages, recompute), compute)
 
     def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
         """One activation across a pipeline boundary from class a to class b."""
@@ -294,7 +317,9 @@ class Planner:
                 out[s + 1] += backward
             return out
 
-        pattern_sends = {p: sends(p) for p in distinct}
+        same_key = tuple(sorted(same_node.items()))
+        pattern_sends = {p: self._memo(("sends", p, tp, mbs, same_key, crossings), lambda p=p: sends(p))
+                         for p in distinct}
         extra = [max(pattern_sends[p][s] for p in distinct) for s in range(stages)]
         extra[-1] += max(self._logits_time(c, tp, mbs) for c in at_stage[-1])
         found = self._split_with_recompute(tp, mbs, d, at_stage, extra)
@@ -335,14 +360,21 @@ class Planner:
                          at_stage: list[list[int]], terms: list[tuple[float, float]]) -> float:
         """The slowest stage's exposed gradient synchronisation plus the slowest optimizer
         step: the same CostModel functions the predictor calls."""
-        costs = self.costs_for(tp)
+        costs, last = self.costs_for(tp), len(layers) - 1
+        # Stages alike (same group, classes, recomputation, ends) differ only in their
+        # layer count, and the most layers take longest: judge one stage of each kind.
+        heaviest: dict[tuple, int] = {}
+        for s in range(len(layers)):
+            kind = (terms[s], tuple(at_stage[s]), modes[s], s == 0, s == last)
+            if kind not in heaviest or layers[s] > layers[heaviest[kind]]:
+                heaviest[kind] = s
         reduce = max(costs.gradient_sync(
             terms[s], self._stage_params(layers, s) / tp, d,
             layers[s] * min(self._layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
-            for s in range(len(layers)))
+            for s in heaviest.values())
         share = d if self.setup.distributed_optimizer else 1
         optimizer = max(costs.optimizer_step(self.classes[c].device_type, self._stage_params(layers, s) / tp / share)
-                        for s in range(len(layers)) for c in at_stage[s])
+                        for s in heaviest.values() for c in at_stage[s])
         return reduce + optimizer
 
     def estimate(self, plan: Plan) -> tuple[bool, float]:
@@ -377,23 +409,41 @@ class Planner:
     def _split_with_recompute(self, tp: int, mbs: int, d: int, at_stage: list[list[int]],
                               extra: list[float]) -> tuple[list[int], list[str]] | None:
         """Layers per stage and each stage's recomputation: every stage starts with the
-        cheapest mode; while the layers do not fit, the stage with the least room moves
-        to the next mode (its activations shrink, its backward grows)."""
-        stages, modes_tried = len(at_stage), self.options.recompute_modes
+        cheapest mode; while the stages cannot hold the layers (split_layers fails only
+        then: a stage with room for none, or too little room in all), the stage with the
+        least room moves to the next mode (its activations shrink, its backward grows)."""
+        stages, modes_tried = len(at_stage), self._recompute_modes
+        by_mode: dict[str, list[int]] = {}
+
+        def caps_of(mode: str) -> list[int]:  # per stage, the least over its classes
+            if mode not in by_mode:
+                per_class = {c: self._stage_caps(c, tp, mbs, d, stages, mode) for c in set().union(*at_stage)}
+                by_mode[mode] = [min(per_class[c][s] for c in at_stage[s]) for s in range(stages)]
+            return by_mode[mode]
+
         level = [0] * stages
-        while True:
-            modes = [modes_tried[i] for i in level]
-            caps = [min(self._layer_cap(c, tp, mbs, d, s, stages, modes[s]) for c in at_stage[s])
-                    for s in range(stages)]
-            if min(caps) >= 1:
-                per_layer = [max(self._layer_time(c, tp, mbs, modes[s]) for c in at_stage[s]) for s in range(stages)]
-                layers = split_layers(self.model.num_layers, per_layer, extra, caps)
-                if layers is not None:
-                    return layers, modes
-            upgradable = [s for s in range(stages) if level[s] + 1 < len(modes_tried)]
-            if not upgradable:
+        caps = list(caps_of(modes_tried[0]))
+        total, least = sum(caps), min(caps)
+        if total < self.model.num_layers or least < 1:
+            if len(modes_tried) == 1:
                 return None
-            level[min(upgradable, key=lambda s: (caps[s], s))] += 1
+            heap = [(cap, s) for s, cap in enumerate(caps)]  # the stage with the least room first
+            heapq.heapify(heap)
+            while heap and (total < self.model.num_layers or least < 1):
+                _, s = heapq.heappop(heap)
+                level[s] += 1
+                new = caps_of(modes_tried[level[s]])[s]
+                total += new - caps[s]
+                caps[s] = new
+                if level[s] + 1 < len(modes_tried):
+                    heapq.heappush(heap, (new, s))
+                least = min(caps) if caps[s] >= 1 > least else least
+            if total < self.model.num_layers or min(caps) < 1:
+                return None
+        modes = [modes_tried[i] for i in level]
+        per_layer = [max(self._layer_time(c, tp, mbs, modes[s]) for c in at_stage[s]) for s in range(stages)]
+        layers = split_layers(self.model.num_layers, per_layer, extra, caps)
+        return None if layers is None else (layers, modes)
 
     # ----- the three families -----------------------------------------------------------
 

@@ -206,7 +206,7 @@ def test_a_v100_cluster_plans_fp16_or_leaves_the_v100s_out_and_says_which():
         assert "V100-32GB" in used and training["precision_reason"] == "fp16 on all devices (V100-32GB has no bf16)"
     else:
         assert training["precision"] == "bf16" and used == {"A100-80GB"}
-        assert "V100-32GB left out (no bf16)" in training["precision_reason"]
+        assert "leaves V100-32GB out (no bf16)" in training["precision_reason"]
     # Asked for bf16, the V100s are left out, and the plan says so.
     job = plan_job(_v100_cluster(), model, 128, with_baseline=False, with_upper_bound=False, precision="bf16")
     assert {d.device_type for d in job.plan.devices} == {"A100-80GB"}
