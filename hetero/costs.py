@@ -130,7 +130,7 @@ class CostModel:
 
     def _gemm_s(self, device_name: str, m: float, n: float, k: float, count: float = 1.0) -> float:
         device = self.cluster.devices[device_name]
-        efficiency = curve_for(device_name).gemm(m, n, k)
+        efficiency = curve_for(device_name, device.vendor).gemm(m, n, k)
         return count * 2 * m * n * k / (device.peak_tflops * 1e12 * efficiency)
 
     def _memory_s(self, device_name: str, num_bytes: float) -> float:

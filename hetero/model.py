@@ -8,6 +8,7 @@ other shape comes from YAML with the same field names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,7 @@ class ModelSpec:
                         + self.hidden_size * self.num_experts)
         return 2 * self._mlp_weights(self.ffn)
 
+    @functools.cache
     def layer_forward_flops_per_token(self) -> float:
         """Matrix-multiply FLOPs of one decoder layer's forward pass, per token."""
         return (self.attention_gemm_flops_per_token() + self.core_attention_flops_per_token()
@@ -159,6 +161,7 @@ class ModelSpec:
 
     # ----- parameters -------------------------------------------------------------------
 
+    @functools.cache
     def layer_params(self) -> int:
         """Parameters of one decoder layer (megatron-core's layout); a MoE layer holds
         every expert and the router."""
@@ -169,6 +172,7 @@ class ModelSpec:
         norms = 2 * h * (2 if self.normalization == "LayerNorm" else 1)
         return attention + norms + self.mlp_params()
 
+    @functools.cache
     def mlp_params(self) -> int:
         def one(ffn: int) -> int:
             fc1_out = ffn * (2 if self.swiglu else 1)
@@ -177,6 +181,7 @@ class ModelSpec:
             return self.num_experts * one(self.moe_ffn_hidden_size) + self.hidden_size * self.num_experts
         return one(self.ffn)
 
+    @functools.cache
     def embedding_params(self) -> int:
         """Word (and learned position) embeddings: the first stage's extra parameters."""
         positions = 0
@@ -184,6 +189,7 @@ class ModelSpec:
             positions = self.max_position_embeddings * self.hidden_size
         return self.vocab_size * self.hidden_size + positions
 
+    @functools.cache
     def output_params(self) -> int:
         """Final norm and output layer: the last stage's extras.
 
