@@ -259,3 +259,12 @@ def test_published_sc21_row_within_ten_percent(row):
 def test_published_sc21_row_fits_in_80_gb(row):
     predicted = PUBLISHED.predict_row(row)
     assert predicted.fits and max(predicted.peak_memory_gib.values()) <= 80
+
+
+def test_the_planner_never_returns_a_plan_slower_than_the_baseline_it_reports():
+    cluster = Cluster.load(ROOT / "examples" / "clusters" / "holmes_like.yaml")
+    model = load_model("gpt-3.6b")
+    job = plan_job(cluster, model, 512, with_upper_bound=False)
+    info = job.plan.model_extra["prediction"]
+    assert info["speedup_over_baseline"] >= 1.0
+    assert job.prediction.iteration_time_s <= info["baseline"]["iteration_time_s"] * (1 + 1e-9)
