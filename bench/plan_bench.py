@@ -8,6 +8,8 @@ Each row plans the job with the same predictor that computes its Megatron baseli
 upper bound (best per-device throughput of each type alone, times its count). "search"
 is the planner alone; "total" adds the baseline and the upper bound.
 Targets (2 cores): search <= 1 s for 512 GPUs, <= 30 s for 4096 GPUs of 4 types.
+"CPU s" is the process's CPU time for the whole row: on a shared machine the wall times
+grow with the load, the CPU time much less.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the search-speed targets")
     args = parser.parse_args()
-    header = (f"{'scenario':16} {'devices':>7} {'model':11} {'search s':>8} {'total s':>8} "
+    header = (f"{'scenario':16} {'devices':>7} {'model':11} {'search s':>8} {'total s':>8} {'CPU s':>7} "
               f"{'tokens/s':>11} {'% of UB':>7} {'vs Megatron':>11}  plan")
     print(header)
     print("-" * len(header))
@@ -52,9 +54,10 @@ def main() -> int:
             continue
         cluster = Cluster.load(CLUSTERS / cluster_file)
         model = load_model(model_name).with_seq_length(seq)
-        start = time.perf_counter()
-        job = plan_job(cluster, model, gbs, with_baseline=not args.quick, with_upper_bound=not args.quick)
-        total = time.perf_counter() - start
+        start, cpu_start = time.perf_counter(), time.process_time()
+        job = plan_job(cluster, model, gbs, with_baseline=not args.quick, with_upper_bound=not args.quick,
+                       precision=None)  # the planner picks it from the devices
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         info = job.plan.model_extra["prediction"]
         provenance = job.plan.model_extra["provenance"]
         p = job.plan
@@ -65,10 +68,14 @@ def main() -> int:
             speedup = f"{info['speedup_over_baseline']:.2f}x"
         else:
             speedup = "cannot fit"  # no uniform Megatron plan fits the cluster
+        training = p.model_extra["training"]
+        recompute = sorted({getattr(st, "recompute", None) or "none" for st in p.stages})
         layout = (f"TP{p.tensor_parallel} PP{p.pipeline_parallel} DP{p.data_parallel} "
-                  f"mb{p.micro_batch_size} {provenance['family']}")
+                  f"mb{p.micro_batch_size} v{training['virtual_stages']} "
+                  f"{'SP ' if training['sequence_parallel'] else ''}recompute {'/'.join(recompute)} "
+                  f"{training['precision']} {provenance['family']}")
         print(f"{name:16} {cluster.num_devices:7d} {model_name:11} {provenance['search_time_s']:8.2f} "
-              f"{total:8.1f} {info['tokens_per_s']:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
+              f"{total:8.1f} {cpu:7.1f} {info['tokens_per_s']:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
     return 0
 
 

@@ -13,14 +13,15 @@ to its device count.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hetero.cluster import Cluster
-from hetero.costs import CostModel
+from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.model import ModelSpec
 from hetero.plan import DeviceEntry, Plan
-from hetero.planner import Planner, PlannerOptions
+from hetero.planner import Planner, PlannerOptions, setup_for
 from hetero.predictor import Prediction, predict
 from hetero.profiles import Profiles
 
@@ -31,6 +32,8 @@ class Baseline:
     prediction: Prediction
     devices: str
     """Which devices it runs on, in words."""
+    setup: TrainingSetup
+    """Its settings (recomputation, sequence parallelism)."""
 
     def to_dict(self) -> dict:
         p = self.plan
@@ -40,6 +43,7 @@ class Baseline:
             "pipeline_parallel": p.pipeline_parallel,
             "data_parallel": p.data_parallel,
             "micro_batch_size": p.micro_batch_size,
+            "recompute": self.setup.recompute,
             "iteration_time_s": round(self.prediction.iteration_time_s, 6),
             "tokens_per_s": round(self.prediction.tokens_per_s, 1),
         }
@@ -55,13 +59,16 @@ def _launch_order_devices(cluster: Cluster) -> list[DeviceEntry]:
 def _best_uniform(cluster: Cluster, model: ModelSpec, global_batch_size: int,
                   options: PlannerOptions, profiles: Profiles | None) -> tuple[Plan, Prediction] | None:
     """The fastest uniform plan; like a Megatron user, it leaves the last devices out when
-    the degrees do not divide the device count or the batch."""
-    costs = CostModel(cluster, model, options.setup, profiles)
+    the degrees do not divide the device count or the batch, and recomputes activations
+    (job-wide, the cheapest mode that fits) when they do not fit."""
     devices = _launch_order_devices(cluster)
     best = None
     for tp in options.tensor_parallel:
         if any(n.count % tp for n in cluster.nodes):
             continue  # Megatron's TP groups would straddle nodes
+        setup = setup_for(options, tp)
+        costs_by_mode = {mode: CostModel(cluster, model, dataclasses.replace(setup, recompute=mode), profiles)
+                         for mode in options.recompute_modes}
         for pp in range(1, model.num_layers + 1):
             if model.num_layers % pp:
                 continue
@@ -75,9 +82,12 @@ def _best_uniform(cluster: Cluster, model: ModelSpec, global_batch_size: int,
                                     micro_batch_size=mbs, num_layers=model.num_layers,
                                     global_batch_size=global_batch_size,
                                     devices=devices[: tp * pp * dp])
-                prediction = predict(plan, cluster, costs)
-                if prediction.fits and (best is None or prediction.iteration_time_s < best[1].iteration_time_s):
-                    best = (plan, prediction)
+                for costs in costs_by_mode.values():
+                    prediction = predict(plan, cluster, costs)
+                    if prediction.fits:
+                        if best is None or prediction.iteration_time_s < best[1].iteration_time_s:
+                            best = (plan, prediction, costs.setup)
+                        break
     return best
 
 
@@ -89,13 +99,13 @@ def megatron_baseline(cluster: Cluster, model: ModelSpec, global_batch_size: int
         used = found[0].world_size
         label = ("all devices" if used == cluster.num_devices
                  else f"the first {used} of {cluster.num_devices} devices")
-        return Baseline(found[0], found[1], label)
+        return Baseline(found[0], found[1], label, found[2])
     alone = []
     for device_type in cluster.device_counts():
         sub = cluster.only(device_type)
         found = _best_uniform(sub, model, global_batch_size, options, profiles)
         if found is not None:
-            alone.append(Baseline(found[0], found[1], f"the {device_type} devices only"))
+            alone.append(Baseline(found[0], found[1], f"the {device_type} devices only", found[2]))
     return min(alone, key=lambda b: b.prediction.iteration_time_s, default=None)
 
 

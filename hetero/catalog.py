@@ -1,7 +1,9 @@
 """What we know about devices and links before anything is measured.
 
 Peak figures are dense (no sparsity) bf16 tensor-core rates, fp16 where a device has no
-bf16. They are upper bounds; the predictor multiplies them by an efficiency and measured
+bf16. Each device lists the 16/8-bit precisions its matrix units support (fp32 runs
+everywhere): bf16 arrived with Ampere (NVIDIA) and CDNA2 (AMD), fp8 with Hopper/Ada and
+CDNA3; the planner picks the job's precision from these. They are upper bounds; the predictor multiplies them by an efficiency and measured
 profiles (tools/, issue 4/5) replace them. A cluster spec can override or add devices.
 """
 
@@ -19,10 +21,20 @@ class DeviceType:
     """Dense bf16 (fp16 where no bf16) matrix throughput, TFLOP/s."""
     memory_bandwidth_gbs: float
     """Device memory bandwidth, GB/s."""
+    precisions: tuple[str, ...] = ("bf16", "fp16")
+    """Low precisions its matrix units run (fp32 always runs)."""
+
+    def supports(self, precision: str) -> bool:
+        return precision == "fp32" or precision in self.precisions
 
 
-def _d(name, vendor, memory_gib, peak_tflops, memory_bandwidth_gbs) -> DeviceType:
-    return DeviceType(name, vendor, memory_gib, peak_tflops, memory_bandwidth_gbs)
+AMPERE = ("bf16", "fp16")
+VOLTA = ("fp16",)
+HOPPER = ("bf16", "fp16", "fp8")  # also Ada (L40S, RTX 4090) and CDNA3 (MI300X)
+
+
+def _d(name, vendor, memory_gib, peak_tflops, memory_bandwidth_gbs, precisions=AMPERE) -> DeviceType:
+    return DeviceType(name, vendor, memory_gib, peak_tflops, memory_bandwidth_gbs, precisions)
 
 
 DEVICES: dict[str, DeviceType] = {
@@ -30,8 +42,8 @@ DEVICES: dict[str, DeviceType] = {
     for d in (
         # NVIDIA V100 datasheet (Volta, SXM2): 125 TFLOPS fp16 tensor, 900 GB/s HBM2.
         # https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
-        _d("V100-16GB", "nvidia", 16, 125, 900),
-        _d("V100-32GB", "nvidia", 32, 125, 900),
+        _d("V100-16GB", "nvidia", 16, 125, 900, VOLTA),
+        _d("V100-32GB", "nvidia", 32, 125, 900, VOLTA),
         # NVIDIA A100 datasheet (SXM): 312 TFLOPS bf16 dense; 40GB 1,555 GB/s, 80GB 2,039 GB/s.
         # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
         _d("A100-40GB", "nvidia", 40, 312, 1555),
@@ -41,22 +53,22 @@ DEVICES: dict[str, DeviceType] = {
         _d("A800-80GB", "nvidia", 80, 312, 2039),
         # NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense (1,979 with sparsity), 3.35 TB/s.
         # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
-        _d("H100-80GB", "nvidia", 80, 989, 3350),
+        _d("H100-80GB", "nvidia", 80, 989, 3350, HOPPER),
         # H800 (China-market H100 SXM: same compute, NVLink 400 GB/s).
-        _d("H800", "nvidia", 80, 989, 3350),
+        _d("H800", "nvidia", 80, 989, 3350, HOPPER),
         # NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16 dense, 141 GB HBM3e, 4.8 TB/s.
         # https://www.nvidia.com/en-us/data-center/h200/
-        _d("H200", "nvidia", 141, 989, 4800),
+        _d("H200", "nvidia", 141, 989, 4800, HOPPER),
         # H20 (China-market Hopper): 148 TFLOPS fp16/bf16 dense, 96 GB HBM3, 4.0 TB/s
         # (NVIDIA partner spec sheets; no public NVIDIA datasheet).
-        _d("H20", "nvidia", 96, 148, 4000),
+        _d("H20", "nvidia", 96, 148, 4000, HOPPER),
         # NVIDIA L40S datasheet: 362 TFLOPS bf16 dense (733 with sparsity), 48 GB GDDR6, 864 GB/s.
         # https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413
-        _d("L40S", "nvidia", 48, 362, 864),
+        _d("L40S", "nvidia", 48, 362, 864, HOPPER),
         # NVIDIA Ada whitepaper, RTX 4090: 165.2 TFLOPS fp16/bf16 tensor with fp32
         # accumulate (dense), 24 GB GDDR6X, 1,008 GB/s.
         # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf
-        _d("RTX-4090", "nvidia", 24, 165, 1008),
+        _d("RTX-4090", "nvidia", 24, 165, 1008, HOPPER),
         # AMD Instinct MI210: 181 TFLOPS fp16/bf16, 64 GB HBM2e, 1.6 TB/s.
         # https://www.amd.com/en/products/accelerators/instinct/mi200/mi210.html
         _d("MI210", "amd", 64, 181, 1638),
@@ -67,7 +79,7 @@ DEVICES: dict[str, DeviceType] = {
         _d("MI250X", "amd", 64, 191.5, 1638),
         # AMD Instinct MI300X: 1,307 TFLOPS fp16/bf16 dense, 192 GB HBM3, 5.3 TB/s.
         # https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html
-        _d("MI300X", "amd", 192, 1307, 5300),
+        _d("MI300X", "amd", 192, 1307, 5300, HOPPER),
         # Huawei Ascend 910B: published figures vary by bin (256-376 TFLOPS fp16, 32-64 GB);
         # the common 910B3 figures are ~313 TFLOPS fp16, 64 GB HBM2e, 1.6 TB/s. Profile it.
         _d("Ascend-910B", "huawei", 64, 313, 1600),

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Sequence
 
 from hetero.baseline import megatron_baseline, upper_bound
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
+from hetero.costs import RECOMPUTE_MODES, CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.model import ModelSpec, load_model
 from hetero.plan import Plan
@@ -37,42 +38,107 @@ class PlannedJob:
     cluster: Cluster
 
 
+def precision_choices(cluster: Cluster, requested: str | None) -> tuple[str, Cluster, str]:
+    """(precision to plan in, the devices that run it, why).
+
+    Asked for a precision: the devices that support it (the others left out, and said so).
+    Not asked: bf16 when every device has it; else fp16 on every device (the planner may
+    still leave the devices without bf16 out; plan_job then switches to bf16).
+    """
+    counts = cluster.device_counts()
+    kept = [t for t in counts if cluster.devices[t].supports(requested or "bf16")]
+    left_out = [t for t in counts if t not in kept]
+    if requested is not None:
+        if not kept:
+            raise HeteroError(f"no device of cluster {cluster.name} supports {requested}; "
+                              "choose another --precision")
+        if left_out:
+            return (requested, cluster.keep(kept),
+                    f"{requested} as asked; {', '.join(left_out)} left out (no {requested})")
+        return requested, cluster, f"{requested} as asked"
+    if not left_out:
+        return "bf16", cluster, "bf16: every device supports it"
+    return "fp16", cluster, f"fp16 on all devices ({', '.join(left_out)} has no bf16)"
+
+
+def _prefer_bf16(cluster: Cluster, model: ModelSpec, result, profiles: Profiles | None):
+    """An fp16 plan that uses only devices with bf16, predicted again in bf16: the same
+    speed (same peak rates) but fp32 gradients; taken when it still fits and is no more
+    than 5% slower (bf16 needs no loss scaling)."""
+    used = {d.device_type for d in result.plan.devices}
+    if not all(cluster.devices[t].supports("bf16") for t in used):
+        return None
+    setup = dataclasses.replace(result.setup, precision="bf16")
+    prediction = predict(result.plan, cluster, CostModel(cluster, model, setup, profiles))
+    if prediction.fits and prediction.iteration_time_s <= 1.05 * result.prediction.iteration_time_s:
+        left_out = sorted(t for t in cluster.device_counts() if t not in used)
+        why = f"bf16: the plan leaves {', '.join(left_out)} out (no bf16), every device it uses has bf16"
+        return dataclasses.replace(result, prediction=prediction, setup=setup), why
+    return None
+
+
 def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
              options: PlannerOptions = PlannerOptions(), profiles: Profiles | None = None,
              with_baseline: bool = True, with_upper_bound: bool = True,
-             progress=None, profiles_source: str | None = None) -> PlannedJob:
-    """Plans, then measures the plan against the Megatron baseline and the upper bound."""
+             progress=None, profiles_source: str | None = None,
+             precision: str | None = "from-options") -> PlannedJob:
+    """Plans, then measures the plan against the Megatron baseline and the upper bound.
+
+    precision: "from-options" plans in options.setup.precision on every device; None
+    lets the planner pick from what the devices support (precision_choices); a name asks
+    for that precision on the devices that support it. A plan predicted slower than the
+    baseline is replaced by the baseline's layout (the planner never returns a worse one).
+    """
     start = time.perf_counter()
-    result = Planner(cluster, model, global_batch_size, options, profiles).plan(progress)
-    info = result.prediction.to_dict()
-    if with_upper_bound:
-        bound = upper_bound(cluster, model, global_batch_size, options, profiles)
-        info["upper_bound"] = bound.to_dict()
-        info["fraction_of_upper_bound"] = round(result.prediction.tokens_per_s / bound.tokens_per_s, 4)
+    if precision == "from-options":
+        name, devices, why = options.setup.precision, cluster, f"{options.setup.precision} as asked"
+    else:
+        name, devices, why = precision_choices(cluster, precision)
+    options = dataclasses.replace(options, setup=dataclasses.replace(options.setup, precision=name))
+    result = Planner(devices, model, global_batch_size, options, profiles).plan(progress)
+    if precision is None and name == "fp16":
+        switched = _prefer_bf16(devices, model, result, profiles)
+        if switched is not None:
+            result, why = switched
+            options = dataclasses.replace(options, setup=dataclasses.replace(options.setup, precision="bf16"))
+            devices = devices.keep(sorted({d.device_type for d in result.plan.devices}))
+    searched, estimated = result.search_time_s, result.candidates_estimated
+    plan, prediction, family, setup = result.plan, result.prediction, result.family, result.setup
+    info = {}
+    baseline = None
     if with_baseline:
-        baseline = megatron_baseline(cluster, model, global_batch_size, options, profiles)
+        baseline = megatron_baseline(devices, model, global_batch_size, options, profiles)
+        if baseline and baseline.prediction.iteration_time_s < prediction.iteration_time_s:
+            plan, prediction, setup = baseline.plan, baseline.prediction, baseline.setup
+            family = "Megatron baseline (every planned layout was predicted slower)"
+    info.update(prediction.to_dict())
+    if with_upper_bound:
+        bound = upper_bound(devices, model, global_batch_size, options, profiles)
+        info["upper_bound"] = bound.to_dict()
+        info["fraction_of_upper_bound"] = round(prediction.tokens_per_s / bound.tokens_per_s, 4)
+    if with_baseline:
         info["baseline"] = baseline.to_dict() if baseline else None
         if baseline:
             info["speedup_over_baseline"] = round(
-                baseline.prediction.iteration_time_s / result.prediction.iteration_time_s, 4)
+                baseline.prediction.iteration_time_s / prediction.iteration_time_s, 4)
     extra = {
         "model": model.to_dict(),
         "training": {"global_batch_size": global_batch_size, "seq_length": model.seq_length,
-                     **options.setup.to_dict()},
-        "cluster": cluster.to_dict(),
+                     **setup.to_dict(), "precision_reason": why},
+        "cluster": devices.to_dict(),
         "prediction": info,
         "provenance": {
             "tool": f"hetero-plan {VERSION}",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "family": result.family,
-            "search_time_s": round(result.search_time_s, 3),
+            "family": family,
+            "search_time_s": round(searched, 3),
             "total_time_s": round(time.perf_counter() - start, 3),
-            "candidates_estimated": result.candidates_estimated,
+            "candidates_estimated": estimated,
             "profiles": profiles_source,
         },
     }
-    plan = Plan.from_dict({**result.plan.to_dict(), **extra})
-    return PlannedJob(plan, result.prediction, cluster)
+    plan = Plan.from_dict({**plan.to_dict(), **extra})
+    return PlannedJob(plan, prediction, devices)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -96,7 +162,18 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", default=None, help="directory of measured profiles (tools/)")
     p.add_argument("--roofline-for-missing", action="store_true",
                    help="with --profiles: estimate device types that have no profile")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default=None,
+                   help="default: bf16 if every device has it, else the faster of fp16 on all "
+                        "devices and bf16 without the devices that lack it")
+    p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default="auto",
+                   help="auto: per stage, the cheapest that fits")
+    p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="auto: on whenever TP > 1")
+    p.add_argument("--virtual-stages", type=_int_list, default=(1, 2),
+                   help="interleaving degrees to try (1: plain 1F1B)")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="megatron-core's local layers (CPU runs): attention keeps its score "
@@ -122,24 +199,31 @@ def _plan_command(argv: Sequence[str]) -> int:
     profiles = None
     if args.profiles:
         profiles = Profiles.load_dir(args.profiles)
-        missing = profiles.missing(list(cluster.device_counts()), model, args.precision)
+        missing = profiles.missing(list(cluster.device_counts()), model, args.precision or "bf16")
         if missing and not args.roofline_for_missing:
             raise HeteroError(
-                f"--profiles {args.profiles} has no {args.precision} compute profile of this model "
+                f"--profiles {args.profiles} has no {args.precision or 'bf16'} compute profile of this model "
                 f"shape for {', '.join(missing)}; measure them with tools/profile_compute.py, or "
                 "pass --roofline-for-missing to estimate them from the catalog"
             )
-    setup = TrainingSetup(precision=args.precision,
+    setup = TrainingSetup(precision=args.precision or "bf16",
                           distributed_optimizer=not args.no_distributed_optimizer,
-                          fused_kernels=not args.no_fused_kernels, dropout=not args.no_dropout)
-    options = PlannerOptions(tensor_parallel=args.tensor_parallel,
-                             micro_batch_sizes=args.micro_batch_size, setup=setup)
+                          fused_kernels=not args.no_fused_kernels, dropout=not args.no_dropout,
+                          overlap_grad_reduce=args.overlap_grad_reduce,
+                          overlap_param_gather=args.overlap_param_gather,
+                          grad_reduce_dtype="bf16" if args.grad_reduce_in_bf16 else None)
+    options = PlannerOptions(
+        tensor_parallel=args.tensor_parallel, micro_batch_sizes=args.micro_batch_size, setup=setup,
+        recompute_modes=RECOMPUTE_MODES if args.recompute == "auto" else (args.recompute,),
+        sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
+        virtual_stages=args.virtual_stages)
     def progress(step: str) -> None:
         print(f"  searching {step} ...", file=sys.stderr, flush=True)
 
     job = plan_job(cluster, model, args.global_batch_size, options, profiles,
                    with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
-                   progress=None if args.quiet else progress, profiles_source=args.profiles)
+                   progress=None if args.quiet else progress, profiles_source=args.profiles,
+                   precision=args.precision)
     job.plan.save(args.output)
     print(summary(job.plan, job.prediction, cluster, f"hetero-plan: wrote {args.output}"))
     if args.timeline:
@@ -164,9 +248,7 @@ class RecordedJob:
         if missing:
             raise HeteroError(f"{source} has no {', '.join(missing)} section; a plan written by "
                               "hetero-plan records them")
-        training = extra["training"]
-        setup = TrainingSetup(**{k: training[k] for k in ("precision", "distributed_optimizer",
-                                                          "fused_kernels", "dropout")})
+        setup = TrainingSetup.from_dict(extra["training"])
         profiles_source = extra.get("provenance", {}).get("profiles")
         return cls(Cluster.from_dict(extra["cluster"], f"{source}: cluster"), ModelSpec(**extra["model"]),
                    setup, Profiles.load_dir(profiles_source) if profiles_source else None, profiles_source)

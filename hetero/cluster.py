@@ -43,6 +43,8 @@ class DeviceSpec(_Spec):
     memory_gib: float = Field(gt=0)
     peak_tflops: float = Field(gt=0)
     memory_bandwidth_gbs: float = Field(gt=0)
+    precisions: tuple[Literal["bf16", "fp16", "fp8"], ...] = Field(
+        default=("bf16", "fp16"), description="low precisions it runs (fp32 always runs)")
 
 
 class NicSpec(_Spec):
@@ -135,7 +137,7 @@ class Cluster:
         self.devices: dict[str, DeviceType] = dict(DEVICES)
         for name, d in spec.devices.items():
             self.devices[name] = DeviceType(name, d.vendor, d.memory_gib, d.peak_tflops,
-                                            d.memory_bandwidth_gbs)
+                                            d.memory_bandwidth_gbs, tuple(d.precisions))
         self.nodes: list[Node] = []
         for group in spec.groups:
             for node in group.nodes:
@@ -250,14 +252,18 @@ class Cluster:
 
     def only(self, device_type: str) -> "Cluster":
         """The nodes of one device type, with their fabrics."""
+        return self.keep([device_type], f"{self.name}[{device_type}]")
+
+    def keep(self, device_types: list[str], name: str | None = None) -> "Cluster":
+        """The nodes of these device types, with their fabrics."""
         groups = []
         for group in self.spec.groups:
-            nodes = [n for n in group.nodes if n.device == device_type]
+            nodes = [n for n in group.nodes if n.device in device_types]
             if nodes:
                 groups.append(group.model_copy(update={"nodes": nodes}))
         names = {g.name for g in groups}
         inter = [link for link in self.spec.inter_group if set(link.between) <= names]
-        spec = self.spec.model_copy(update={"name": f"{self.name}[{device_type}]", "groups": groups,
+        spec = self.spec.model_copy(update={"name": name or f"{self.name}[{'+'.join(device_types)}]", "groups": groups,
                                             "inter_group": inter})
         return Cluster(spec, self.source)
 

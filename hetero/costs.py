@@ -1,8 +1,12 @@
-"""How long the pieces of one training iteration take on given devices and links.
+"""How long the pieces of one training iteration take on given devices and links: the one
+cost model. The predictor composes these functions for every rank of a plan; the planner's
+fast estimate calls the very same functions for a few representative ranks.
 
-Compute: a measured profile when there is one, else a roofline over the catalog figures:
-max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes / (memory bandwidth x MEMORY_EFFICIENCY)).
-Backward is twice forward.
+Compute: a measured profile when there is one, else the sum of the layer's GEMMs, each at
+the efficiency its shape reaches on the device (efficiency.py), and its memory-bound
+kernels (norms, softmax, dropout, activations) at the device's memory bandwidth. Backward
+is twice forward; recomputation adds the forward again (full) or the attention core
+(selective).
 
 Communication (alpha-beta): a transfer of V bytes over a route takes latency + V/bandwidth,
 the bandwidth being what the route achieves with every device busy (cluster.py). An
@@ -13,21 +17,22 @@ own NIC shares in parallel), all-gather inside each node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from hetero.cluster import Cluster, Route
+from hetero.efficiency import MEMORY_EFFICIENCY, curve_for
+from hetero.errors import HeteroError
 from hetero.model import ModelSpec
 from hetero.profiles import Profiles
 
-# Fraction of peak matrix throughput Megatron reaches on large dense transformer layers
-# (52% MFU for GPT-3 175B on A100 in Narayanan et al. 2021; 40-55% typical). Profiles
-# replace it with measurements.
-MATMUL_EFFICIENCY = 0.5
-MEMORY_EFFICIENCY = 0.7
-BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp32": 4}
+BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # Bytes an Adam step touches per parameter: fp32 grad (4), master weight read+write (8),
 # two moments read+write (16), model-dtype weight write (2-4).
 ADAM_BYTES_PER_PARAM = 32
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Megatron's DDP bucket: max(40M parameters, 1M x data-parallel size) (megatron-core
+# distributed_data_parallel.py); the last bucket's reduction cannot overlap backward.
+DDP_BUCKET_PARAMS = 40_000_000
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,32 @@ class TrainingSetup:
     kept) and fused SwiGLU. Off for megatron-core's local layers (the CPU runtime)."""
     dropout: bool = True
     """Hidden/attention dropout > 0 (Megatron's default 0.1): masks are kept for backward."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (attention core) or full (--recompute-
+    granularity); full recomputes every layer's forward during backward."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: norms and dropouts split over the tensor-parallel ranks."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage (interleaved 1F1B when > 1)."""
+    overlap_grad_reduce: bool = False
+    """--overlap-grad-reduce: the gradient reduction runs during the last backward."""
+    overlap_param_gather: bool = False
+    """--overlap-param-gather (distributed optimizer): the all-gather of updated weights
+    runs during the next forward."""
+    grad_reduce_dtype: str | None = None
+    """Gradient buffers and their reduction: None is Megatron's default (fp32 for bf16
+    runs, the model dtype otherwise); bf16 is --grad-reduce-in-bf16."""
+    scatter_stage_transfers: bool = False
+    """Each tensor-parallel rank sends 1/TP of the activation to the next stage and the
+    receiver all-gathers (sequence parallelism implies it)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in BYTES_PER_VALUE:
+            raise HeteroError(f"precision {self.precision!r} is not one of {', '.join(BYTES_PER_VALUE)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise HeteroError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.virtual_stages < 1:
+            raise HeteroError("virtual_stages must be at least 1")
 
     @property
     def value_bytes(self) -> int:
@@ -48,11 +79,36 @@ class TrainingSetup:
 
     @property
     def grad_bytes(self) -> int:
-        return 4  # Megatron reduces bf16 gradients in fp32 (accumulate_allreduce_grads_in_fp32)
+        if self.grad_reduce_dtype is not None:
+            return BYTES_PER_VALUE[self.grad_reduce_dtype]
+        # megatron-core DDP: grad_reduce_in_fp32 = --accumulate-allreduce-grads-in-fp32 or bf16
+        return 4 if self.precision in ("bf16", "fp32") else self.value_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """fp32 master weight (mixed precision only) and two Adam moments, per parameter."""
+        return 12 if self.value_bytes < 4 else 8
 
     def to_dict(self) -> dict:
-        return {"precision": self.precision, "distributed_optimizer": self.distributed_optimizer,
-                "fused_kernels": self.fused_kernels, "dropout": self.dropout}
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainingSetup":
+        """The fields this release knows, from a plan's training section."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One decoder layer, one micro-batch, one rank: seconds of forward and of backward
+    (recomputation and tensor-parallel communication included)."""
+
+    forward_s: float
+    backward_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
 
 
 class CostModel:
@@ -61,67 +117,185 @@ class CostModel:
         self.cluster, self.model, self.setup = cluster, model, setup
         self.precision = setup  # value_bytes, grad_bytes
         self.profiles = profiles or Profiles()
-        self._layer_cache: dict[tuple, tuple[float, float]] = {}
+        self._cache: dict[tuple, object] = {}
         self._allreduce_cache: dict[tuple, tuple[float, float]] = {}
         self._route_cache: dict[tuple, Route] = {}
 
+    def _memo(self, key: tuple, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
     # ----- compute ----------------------------------------------------------------------
 
-    def _roofline(self, device_name: str, flops: float, bytes_moved: float) -> float:
+    def _gemm_s(self, device_name: str, m: float, n: float, k: float, count: float = 1.0) -> float:
         device = self.cluster.devices[device_name]
-        compute = flops / (device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
-        memory = bytes_moved / (device.memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
-        return max(compute, memory)
+        efficiency = curve_for(device_name, device.vendor).gemm(m, n, k)
+        return count * 2 * m * n * k / (device.peak_tflops * 1e12 * efficiency)
 
-    def layer_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one decoder layer's compute for one micro-batch."""
-        key = (device_name, tensor_parallel, micro_batch_size)
-        if key not in self._layer_cache:
-            profile = self.profiles.compute_profile(device_name, self.model, self.setup.precision)
+    def _memory_s(self, device_name: str, num_bytes: float) -> float:
+        device = self.cluster.devices[device_name]
+        return num_bytes / (device.memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+
+    def _attention_core_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
+        """Scores, softmax and their product with V (forward), for one micro-batch."""
+        m, v = self.model, self.setup.value_bytes
+        heads = m.num_attention_heads / tensor_parallel
+        s, d = m.seq_length, m.head_dim
+        # Two batched GEMMs (s x d by d x s, s x s by s x d) per head.
+        gemms = self._gemm_s(device_name, s, s, d, count=2 * micro_batch_size * heads)
+        if self.setup.fused_kernels:
+            return gemms / 2  # flash attention: skips the masked half, no s x s traffic
+        scores = micro_batch_size * heads * s * s * v  # one score matrix
+        # masked softmax (read, write), and with dropout its mask and output (read, write x2)
+        traffic = scores * (2 + (3 if self.setup.dropout else 0))
+        return gemms + self._memory_s(device_name, traffic)
+
+    def _layer_forward_compute_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
+        """Analytical forward of one layer: GEMMs at their shape's efficiency, the
+        attention core, and the memory-bound kernels around them."""
+        m, t, v = self.model, tensor_parallel, self.setup.value_bytes
+        tokens = m.seq_length * micro_batch_size
+        h = m.hidden_size
+        q = m.num_attention_heads * m.head_dim
+        kv = m.query_groups * m.head_dim
+        gemms = self._gemm_s(device_name, tokens, (q + 2 * kv) / t, h) + self._gemm_s(device_name, tokens, h, q / t)
+        if m.is_moe:  # each expert sees its share of the routed tokens
+            ffn, experts = m.moe_ffn_hidden_size, m.num_experts
+            routed = tokens * m.moe_router_topk / experts
+            up = ffn * (2 if m.swiglu else 1) / t
+            gemms += self._gemm_s(device_name, routed, up, h, experts) + self._gemm_s(device_name, routed, h, ffn / t, experts)
+            gemms += self._gemm_s(device_name, tokens, experts, h)
+            mlp_width = ffn * m.moe_router_topk
+        else:
+            up = m.ffn * (2 if m.swiglu else 1) / t
+            gemms += self._gemm_s(device_name, tokens, up, h) + self._gemm_s(device_name, tokens, h, m.ffn / t)
+            mlp_width = m.ffn
+        sequence_split = t if self.setup.sequence_parallel else 1
+        # Norms (read, write) x2, bias-dropout-add (read 2, write 1, mask) x2 over the
+        # hidden width; the MLP activation (read, write) over the FFN width.
+        elementwise = tokens * v * (10 * h / sequence_split + 2 * mlp_width / t)
+        return gemms + self._attention_core_s(device_name, t, micro_batch_size) + self._memory_s(device_name, elementwise)
+
+    def _compute_profile(self, device_name: str):
+        return self.profiles.compute_profile(device_name, self.model, self.setup.precision)
+
+    def _profiled_at(self, device_name: str, tensor_parallel: int) -> bool:
+        profile = self._compute_profile(device_name)
+        return profile is not None and tensor_parallel > 1 and any(
+            e.tensor_parallel == tensor_parallel for e in profile.entries)
+
+    def layer_compute(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one decoder layer's compute for one micro-batch,
+        without recomputation or communication."""
+        def compute() -> tuple[float, float]:
+            profile = self._compute_profile(device_name)
             if profile is not None:
                 entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
-                times = (entry.layer_forward_s * scale, entry.layer_backward_s * scale)
-            else:
-                m, v = self.model, self.precision.value_bytes
-                tokens = m.seq_length * micro_batch_size
-                flops = tokens * m.layer_forward_flops_per_token() / tensor_parallel
-                moved = m.layer_params() / tensor_parallel * v + self.layer_activation_bytes(
-                    tensor_parallel, micro_batch_size)
-                forward = self._roofline(device_name, flops, moved)
-                times = (forward, 2 * forward)
-            self._layer_cache[key] = times
-        return self._layer_cache[key]
+                return entry.layer_forward_s * scale, entry.layer_backward_s * scale
+            forward = self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
+            return forward, 2 * forward
+        return self._memo(("compute", device_name, tensor_parallel, micro_batch_size), compute)
+
+    def layer_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int,
+                    recompute: str | None = None) -> tuple[float, float]:
+        """(forward, backward) compute of one layer, backward including recomputation (the
+        setup's, or the stage's own when given)."""
+        recompute = recompute or self.setup.recompute
+        forward, backward = self.layer_compute(device_name, tensor_parallel, micro_batch_size)
+        if recompute == "full":
+            backward += forward
+        elif recompute == "selective":
+            core = self._attention_core_s(device_name, tensor_parallel, micro_batch_size)
+            analytical = self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
+            backward += forward * core / analytical  # the attention core's share, measured or not
+        return forward, backward
+
+    def layer_cost(self, device_name: str, host: str, tensor_parallel: int, micro_batch_size: int,
+                   recompute: str | None = None) -> LayerCost:
+        """One layer on one rank: compute, recomputation and the tensor-parallel all-reduces
+        (two per layer in forward, two in backward, two more when the forward is
+        recomputed; with sequence parallelism an all-gather and a reduce-scatter of the
+        same volume each)."""
+        recompute = recompute or self.setup.recompute
+
+        def compute() -> LayerCost:
+            forward, backward = self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute)
+            allreduce = self.tp_allreduce(host, tensor_parallel, self.activation_bytes(micro_batch_size))
+            if self._profiled_at(device_name, tensor_parallel):
+                allreduce = 0.0  # measured with its tensor-parallel group: the all-reduces are in it
+            recomputed = 2 if recompute == "full" else 0
+            return LayerCost(forward + 2 * allreduce, backward + (2 + recomputed) * allreduce)
+        return self._memo(("layer", device_name, host, tensor_parallel, micro_batch_size, recompute), compute)
 
     def logits_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
         """(forward, backward) of the output layer and loss on the last stage."""
-        profile = self.profiles.compute_profile(device_name, self.model, self.setup.precision)
+        profile = self._compute_profile(device_name)
         if profile is not None:
             entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
             if entry.logits_forward_s is not None and entry.logits_backward_s is not None:
                 return entry.logits_forward_s * scale, entry.logits_backward_s * scale
-        m = self.model
+        m, v = self.model, self.setup.value_bytes
         tokens = m.seq_length * micro_batch_size
-        flops = tokens * m.logits_forward_flops_per_token() / tensor_parallel
-        moved = m.vocab_size * m.hidden_size / tensor_parallel * self.precision.value_bytes + \
-            m.logits_activation_bytes(micro_batch_size, tensor_parallel, self.precision.value_bytes)
-        forward = self._roofline(device_name, flops, moved)
+        vocab = m.vocab_size / tensor_parallel
+        forward = self._gemm_s(device_name, tokens, vocab, m.hidden_size) + self._memory_s(
+            device_name, tokens * vocab * (v + 4) * 2)  # logits to fp32, softmax, loss
         return forward, 2 * forward
 
-    def layer_activation_bytes(self, tensor_parallel: int, micro_batch_size: int) -> float:
+    def layer_activation_bytes(self, tensor_parallel: int, micro_batch_size: int,
+                               recompute: str | None = None) -> float:
+        """What one layer keeps for backward, per micro-batch, under the setup's
+        recomputation (or the one given)."""
+        setup = self.setup
         return self.model.layer_activation_bytes(
-            micro_batch_size, tensor_parallel, self.setup.value_bytes,
-            fused_kernels=self.setup.fused_kernels, dropout=self.setup.dropout)
+            micro_batch_size, tensor_parallel, setup.value_bytes, fused_kernels=setup.fused_kernels,
+            dropout=setup.dropout, recompute=recompute or setup.recompute,
+            sequence_parallel=setup.sequence_parallel)
 
-    def activation_message_bytes(self, micro_batch_size: int) -> float:
-        """What crosses a pipeline boundary per micro-batch (each TP rank sends it whole)."""
-        return self.model.seq_length * micro_batch_size * self.model.hidden_size * self.precision.value_bytes
+    def activation_bytes(self, micro_batch_size: int) -> float:
+        """One micro-batch's hidden states (s x b x h), whole."""
+        return self.model.seq_length * micro_batch_size * self.model.hidden_size * self.setup.value_bytes
+
+    def activation_message_bytes(self, micro_batch_size: int, tensor_parallel: int = 1) -> float:
+        """What one tensor-parallel rank sends across a pipeline boundary per micro-batch:
+        the whole activation, or 1/TP of it when transfers are scattered."""
+        whole = self.activation_bytes(micro_batch_size)
+        if self.setup.scatter_stage_transfers or self.setup.sequence_parallel:
+            return whole / tensor_parallel
+        return whole
 
     def optimizer_step(self, device_name: str, params: float) -> float:
-        profile = self.profiles.compute_profile(device_name, self.model, self.setup.precision)
+        profile = self._compute_profile(device_name)
         if profile is not None and profile.optimizer_step_s_per_param is not None:
             return params * profile.optimizer_step_s_per_param
-        device = self.cluster.devices[device_name]
-        return params * ADAM_BYTES_PER_PARAM / (device.memory_bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY)
+        return self._memory_s(device_name, params * ADAM_BYTES_PER_PARAM)
+
+    # ----- data-parallel gradient synchronisation ---------------------------------------
+
+    def gradient_sync(self, terms: tuple[float, float], params: float, data_parallel: int,
+                      overlappable_s: float = 0.0) -> float:
+        """Exposed seconds of one stage's gradient reduction over a group with all-reduce
+        `terms` (seconds per byte, fixed seconds of one phase): an all-reduce, or with the
+        distributed optimizer a reduce-scatter of gradients plus an all-gather of updated
+        weights. Overlapped reduction hides behind `overlappable_s` (the last backward)
+        except its last bucket; an overlapped gather hides behind the next forward except
+        its first bucket."""
+        per_byte, fixed = terms
+        if params == 0 or per_byte == 0:
+            return 0.0
+        setup = self.setup
+        grad = params * setup.grad_bytes
+        if setup.distributed_optimizer:
+            reduce = grad * per_byte + fixed
+            gather = params * setup.value_bytes * per_byte + fixed
+        else:
+            reduce, gather = 2 * (grad * per_byte + fixed), 0.0
+        last_bucket = min(1.0, max(DDP_BUCKET_PARAMS, 1e6 * data_parallel) / params)
+        if setup.overlap_grad_reduce:
+            reduce = max(reduce * last_bucket, reduce - overlappable_s)
+        if setup.overlap_param_gather:
+            gather *= last_bucket
+        return reduce + gather
 
     # ----- communication ----------------------------------------------------------------
 
@@ -140,6 +314,18 @@ class CostModel:
     def p2p(self, host_a: str, host_b: str, num_bytes: float, concurrent_crossings: int = 1) -> float:
         route = self.route(host_a, host_b, concurrent_crossings)
         return route.latency + num_bytes / route.bandwidth
+
+    def stage_transfer(self, host_a: str, host_b: str, tensor_parallel: int, micro_batch_size: int,
+                       concurrent_crossings: int = 1) -> float:
+        """One micro-batch's activation (or gradient) from one stage's rank to the next's;
+        scattered transfers are all-gathered again inside the receiving node."""
+        message = self.activation_message_bytes(micro_batch_size, tensor_parallel)
+        seconds = self.p2p(host_a, host_b, message, concurrent_crossings)
+        whole = self.activation_bytes(micro_batch_size)
+        if message < whole:
+            route = self.route(host_b, host_b)
+            seconds += (tensor_parallel - 1) * route.latency + (whole - message) / route.bandwidth
+        return seconds
 
     def tp_allreduce(self, host: str, tensor_parallel: int, num_bytes: float) -> float:
         """Ring all-reduce among the tensor-parallel ranks of one node."""

@@ -1,16 +1,24 @@
 """Memory one rank needs: weights, gradients, optimizer state, activations, overhead.
 
 Bytes per parameter follow Megatron's mixed-precision optimizer: a bf16/fp16 run keeps the
-model-dtype weight (2), an fp32 gradient buffer (4) and fp32 master weight plus two Adam
-moments (12); fp32 keeps weight (4), gradient (4) and moments (8). The distributed
-optimizer splits the optimizer part (master weight and moments) evenly across the
-data-parallel group (megatron-core shards evenly; it has no uneven split).
+model-dtype weight (2), a gradient buffer (fp32 by default for bf16, see
+TrainingSetup.grad_bytes) and fp32 master weight plus two Adam moments (12); fp32 keeps
+weight (4), gradient (4) and moments (8). The distributed optimizer splits the optimizer
+part (master weight and moments) evenly across the data-parallel group (megatron-core
+shards evenly; it has no uneven split).
 
-Activations: the 1F1B schedule keeps min(P - s, m) micro-batches in flight on stage s.
-Backward adds a transient working set: the gradients of the layer being differentiated
-(about one layer's activations for one micro-batch) and, without fused gradient
-accumulation, each weight's .grad before it is added into the fp32 gradient buffer (the
-largest: one layer's weights, or the vocabulary table on the first and last stage).
+Activations: the 1F1B schedule keeps min(P - s, m) micro-batches in flight on stage s; the
+interleaved schedule keeps (2 (P - s - 1) + (v - 1) P + 1) model chunks of 1/v of the
+stage each (its warm-up count plus the one in progress). What a layer keeps per
+micro-batch depends on recomputation and sequence parallelism (ModelSpec.
+layer_activation_bytes). Backward adds a transient working set: one layer's activations
+for one micro-batch as if nothing were recomputed (a recomputed layer is rebuilt whole
+before its backward) and, without fused gradient accumulation, each weight's .grad before
+it is added into the gradient buffer (the largest: one layer's weights, or the vocabulary
+table on the first and last stage).
+
+Memory is linear in a stage's layer count; the planner's layer cap is this same function
+evaluated at 0 and 1 layers (layer_capacity).
 """
 
 from __future__ import annotations
@@ -61,6 +69,16 @@ def stage_params(costs: CostModel, num_layers: int, first: bool, last: bool, num
     return params
 
 
+def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int,
+                            virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of the
+    whole stage's layers."""
+    if virtual_stages == 1:
+        return min(num_stages - stage, num_micro_batches)
+    chunks = 2 * (num_stages - stage - 1) + (virtual_stages - 1) * num_stages + 1
+    return min(chunks, num_micro_batches * virtual_stages) / virtual_stages
+
+
 def rank_memory(
     costs: CostModel,
     *,
@@ -72,30 +90,34 @@ def rank_memory(
     stage: int,
     num_stages: int,
     num_micro_batches: int,
-    distributed_optimizer: bool,
+    distributed_optimizer: bool | None = None,
+    recompute: str | None = None,
+    in_flight: float | None = None,
 ) -> MemoryEstimate:
+    """One rank's memory; recompute is the stage's own mode (default: the setup's);
+    in_flight overrides the micro-batches the schedule keeps in flight."""
+    setup = costs.setup
+    if distributed_optimizer is None:
+        distributed_optimizer = setup.distributed_optimizer
     first, last = stage == 0, stage == num_stages - 1
     params = stage_params(costs, num_layers, first, last, num_stages) / tensor_parallel
-    precision = costs.precision
-    mixed = precision.value_bytes < 4
-    optimizer_bytes = 12 if mixed else 8
-    if distributed_optimizer:
-        optimizer_bytes /= data_parallel
-    in_flight = min(num_stages - stage, num_micro_batches)
-    per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size)
+    optimizer_bytes = setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1)
+    if in_flight is None:
+        in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
+    per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
     if last:
         per_micro_batch += costs.model.logits_activation_bytes(
-            micro_batch_size, tensor_parallel, precision.value_bytes)
+            micro_batch_size, tensor_parallel, setup.value_bytes)
     if first:
-        per_micro_batch += costs.activation_message_bytes(micro_batch_size)
+        per_micro_batch += costs.activation_message_bytes(micro_batch_size, tensor_parallel)
     largest_weight = costs.model.layer_params()
     if first or last:
         largest_weight = max(largest_weight, costs.model.vocab_size * costs.model.hidden_size)
-    transient = (costs.layer_activation_bytes(tensor_parallel, micro_batch_size)
-                 + largest_weight / tensor_parallel * precision.value_bytes)
+    transient = (costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute="none")
+                 + largest_weight / tensor_parallel * setup.value_bytes)
     return MemoryEstimate(
-        weights=params * precision.value_bytes,
-        gradients=params * precision.grad_bytes,
+        weights=params * setup.value_bytes,
+        gradients=params * setup.grad_bytes,
         optimizer=params * optimizer_bytes,
         activations=in_flight * per_micro_batch,
         transient=transient,
@@ -105,3 +127,49 @@ def rank_memory(
 
 def capacity_bytes(memory_gib: float) -> float:
     return memory_gib * GIB * (1 - MIN_HEADROOM)
+
+
+def layer_capacity(costs: CostModel, memory_gib: float, **placement) -> int:
+    """Most decoder layers a stage can hold within a device's capacity: rank_memory is
+    linear in num_layers, so two evaluations of it give the answer. `placement` is
+    rank_memory's keywords without num_layers."""
+    empty = rank_memory(costs, num_layers=0, **placement).total
+    per_layer = rank_memory(costs, num_layers=1, **placement).total - empty
+    room = capacity_bytes(memory_gib) - empty
+    return max(0, int(room // per_layer)) if per_layer > 0 else 0
+
+
+@dataclass(frozen=True)
+class StageMemoryTerms:
+    """rank_memory of one kind of stage (first, middle, last, or the only one) as the
+    bilinear function it is: fixed + per_flight*f + n*(per_layer + per_layer_flight*f)
+    bytes for n layers and f micro-batches in flight."""
+
+    fixed: float
+    per_flight: float
+    per_layer: float
+    per_layer_flight: float
+
+    def capacity(self, memory_gib: float, in_flight: float) -> int:
+        """Most layers that fit with `in_flight` micro-batches in flight."""
+        room = capacity_bytes(memory_gib) - self.fixed - self.per_flight * in_flight
+        per_layer = self.per_layer + self.per_layer_flight * in_flight
+        return max(0, int(room // per_layer)) if per_layer > 0 else 0
+
+
+def stage_memory_terms(costs: CostModel, *, first: bool, last: bool, **placement) -> StageMemoryTerms:
+    """StageMemoryTerms from four evaluations of rank_memory (n in {0, 1}, f in {1, 2}).
+    `placement`: rank_memory's keywords other than num_layers, stage, num_stages,
+    num_micro_batches and in_flight."""
+    stage, num_stages = {(True, True): (0, 1), (True, False): (0, 2), (False, True): (1, 2),
+                         (False, False): (1, 3)}[(first, last)]
+
+    def total(n: int, f: int) -> float:
+        return rank_memory(costs, num_layers=n, stage=stage, num_stages=num_stages, num_micro_batches=f,
+                           in_flight=f, **placement).total
+
+    m01, m02, m11, m12 = total(0, 1), total(0, 2), total(1, 1), total(1, 2)
+    per_flight = m02 - m01
+    per_layer_flight = (m12 - m11) - per_flight
+    per_layer = (m11 - m01) - per_layer_flight
+    return StageMemoryTerms(m01 - per_flight, per_flight, per_layer, per_layer_flight)

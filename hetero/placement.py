@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from hetero.cluster import Cluster
-from hetero.plan import PLAN_VERSION, DeviceEntry, Plan, ReplicaEntry, StageEntry
+from hetero.plan import PLAN_VERSION, DeviceEntry, Plan, ReplicaEntry, StageEntry, logical_rank_at
 
 ORDERS = ("replica-major", "stage-major")
 
@@ -170,7 +170,7 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int, micr
     rank_order = [0] * (tp * dp * pp)
     for (d, s), (host, first) in where.items():
         for t in range(tp):
-            rank_order[t + tp * (d + dp * s)] = launch_index[(host, first + t)]
+            rank_order[logical_rank_at(t, d, s, tp, dp)] = launch_index[(host, first + t)]
 
     def types(members: Iterable[int]) -> list[str]:
         return sorted({classes[c].device_type for c in members})

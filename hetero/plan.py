@@ -175,6 +175,8 @@ class Plan(BaseModel):
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.num_micro_batches
 
+    # ----- logical-rank arithmetic (the one place that knows Megatron's rank order) -----
+
     def coords(self, logical_rank: int) -> RankCoords:
         tp, dp = self.tensor_parallel, self.data_parallel
         return RankCoords(
@@ -182,6 +184,26 @@ class Plan(BaseModel):
             dp_rank=(logical_rank // tp) % dp,
             pp_rank=logical_rank // (tp * dp),
         )
+
+    def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """The logical rank of tensor rank tp_rank of replica dp_rank in stage pp_rank."""
+        return logical_rank_at(tp_rank, dp_rank, pp_rank, self.tensor_parallel, self.data_parallel)
+
+    def tensor_group(self, dp_rank: int, pp_rank: int) -> list[int]:
+        """Logical ranks of one (replica, stage): its tensor-parallel group."""
+        return [self.rank_at(t, dp_rank, pp_rank) for t in range(self.tensor_parallel)]
+
+    def data_group(self, tp_rank: int, pp_rank: int) -> list[int]:
+        """Logical ranks that reduce the same gradients: one per replica."""
+        return [self.rank_at(tp_rank, d, pp_rank) for d in range(self.data_parallel)]
+
+    def pipeline_group(self, tp_rank: int, dp_rank: int) -> list[int]:
+        """Logical ranks of one replica's pipeline, stage by stage."""
+        return [self.rank_at(tp_rank, dp_rank, s) for s in range(self.pipeline_parallel)]
+
+    def stage_device(self, dp_rank: int, pp_rank: int) -> "DeviceEntry":
+        """The device of tensor rank 0 of one (replica, stage)."""
+        return self.device_of_logical(self.rank_at(0, dp_rank, pp_rank))
 
     def logical_rank(self, launch_rank: int) -> int:
         return self.rank_order.index(launch_rank)
@@ -288,6 +310,14 @@ class Plan(BaseModel):
             f"micro-batch={self.micro_batch_size} layers per stage=[{stages}] "
             f"micro-batches per replica=[{replicas}] global batch={self.global_batch_size}"
         )
+
+
+def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: int,
+                    data_parallel: int) -> int:
+    """Megatron's default order: tensor fastest, then data, then pipeline. For code that
+    builds a plan's rank_order before the plan exists (placement); everyone else asks the
+    Plan."""
+    return tp_rank + tensor_parallel * (dp_rank + data_parallel * pp_rank)
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:

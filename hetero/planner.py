@@ -24,6 +24,7 @@ side) and judged by the exact predictor. Deterministic for the same input.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -33,7 +34,7 @@ from typing import Callable, Iterable
 from hetero.cluster import Cluster
 from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
-from hetero.memory import DEFAULT_OVERHEAD_GIB, FRAMEWORK_OVERHEAD_GIB, GIB, capacity_bytes, stage_params
+from hetero.memory import layer_capacity, micro_batches_in_flight, stage_memory_terms, stage_params
 from hetero.model import ModelSpec
 from hetero.placement import (
     ORDERS,
@@ -47,7 +48,7 @@ from hetero.placement import (
     representative_hosts,
 )
 from hetero.plan import Plan
-from hetero.predictor import Prediction, predict
+from hetero.predictor import Prediction, predict, stage_recompute
 from hetero.profiles import Profiles
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
@@ -58,6 +59,16 @@ class PlannerOptions:
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     setup: TrainingSetup = TrainingSetup()
+    """The job's settings; its recompute is the least a stage uses, its
+    sequence_parallel and virtual_stages are overridden by the two options below."""
+    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+    """Per stage, the first of these whose activations fit (cheapest first)."""
+    sequence_parallel: bool | None = None
+    """None: on whenever TP > 1 (same communication volume, less memory and fewer
+    element-wise passes per rank, so it never loses); True/False: forced."""
+    virtual_stages: tuple[int, ...] = (1, 2)
+    """Interleaving degrees tried on the best candidates (pipelines of 2+ stages whose
+    stages' layers divide evenly)."""
     exact_candidates: int = 4
     """How many of the best estimates overall the exact predictor judges..."""
     exact_per_family: int = 1
@@ -90,6 +101,8 @@ class Candidate:
     """Class index of each stage, per replica."""
     micro_batches: list[int]
     estimate_s: float
+    recompute: list[str] | None = None
+    """Recomputation of each stage (None: the setup's everywhere)."""
 
 
 @dataclass
@@ -99,6 +112,8 @@ class PlanResult:
     family: str
     search_time_s: float
     candidates_estimated: int
+    setup: TrainingSetup
+    """The settings the plan was predicted with (sequence parallelism, interleaving)."""
 
 
 def device_classes(cluster: Cluster) -> list[DeviceClass]:
@@ -173,11 +188,25 @@ class Planner:
         self.cluster, self.model, self.options = cluster, model, options
         self.global_batch_size = global_batch_size
         self.setup = options.setup
-        self.costs = CostModel(cluster, model, self.setup, profiles)
+        self.profiles = profiles
+        self._costs: dict[tuple[int, int], CostModel] = {}
+        # With fused (flash) attention no score matrix is kept: selective recomputation
+        # saves no memory there, only costs time.
+        self._recompute_modes = tuple(m for m in options.recompute_modes
+                                      if not (m == "selective" and options.setup.fused_kernels)) or ("none",)
+        self.costs = self.costs_for(1)
         self.classes = device_classes(cluster)
         self._class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
         self.estimated = 0
         self._cache: dict[tuple, object] = {}
+
+    def costs_for(self, tensor_parallel: int, virtual_stages: int = 1) -> CostModel:
+        """The cost model of the setup a plan of this TP degree runs with."""
+        key = (tensor_parallel, virtual_stages)
+        if key not in self._costs:
+            self._costs[key] = CostModel(self.cluster, self.model, setup_for(
+                self.options, tensor_parallel, virtual_stages), self.profiles)
+        return self._costs[key]
 
     def _memo(self, key: tuple, compute: Callable[[], object]):
         if key not in self._cache:
@@ -186,60 +215,60 @@ class Planner:
 
     # ----- per-class building blocks ------------------------------------------------------
 
-    def _layer_time(self, c: int, tp: int, mbs: int) -> float:
-        def compute() -> float:
-            cl = self.classes[c]
-            forward, backward = self.costs.layer_times(cl.device_type, tp, mbs)
-            message = self.costs.activation_message_bytes(mbs)
-            return forward + backward + 4 * self.costs.tp_allreduce(cl.hosts[0], tp, message)
-        return self._memo(("layer", c, tp, mbs), compute)
+    def _layer_cost(self, c: int, tp: int, mbs: int, recompute: str | None = None):
+        cl = self.classes[c]
+        return self.costs_for(tp).layer_cost(cl.device_type, cl.hosts[0], tp, mbs, recompute)
+
+    def _layer_time(self, c: int, tp: int, mbs: int, recompute: str | None = None) -> float:
+        return self._layer_cost(c, tp, mbs, recompute).total_s
 
     def _logits_time(self, c: int, tp: int, mbs: int) -> float:
         return self._memo(("logits", c, tp, mbs),
-                          lambda: sum(self.costs.logits_times(self.classes[c].device_type, tp, mbs)))
+                          lambda: sum(self.costs_for(tp).logits_times(self.classes[c].device_type, tp, mbs)))
 
-    def _bytes_per_param(self, dp: int) -> float:
-        v = self.costs.precision.value_bytes
-        optimizer = 12 if v < 4 else 8
-        if self.setup.distributed_optimizer:
-            optimizer /= dp
-        return v + self.costs.precision.grad_bytes + optimizer
+    def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int,
+                   recompute: str | None = None, num_micro_batches: int | None = None) -> int:
+        """Most decoder layers stage `stage` can hold on a device of class c: the memory
+        model's own answer (memory.layer_capacity), for the most micro-batches a replica
+        runs (by default: could run)."""
+        total_mb = num_micro_batches or self.global_batch_size // mbs
+        in_flight_key = min(stages - stage, total_mb) if self.setup.virtual_stages == 1 else (stages - stage, total_mb)
+        key = ("cap", c, tp, mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1, recompute)
+        cl = self.classes[c]
+        return self._memo(key, lambda: layer_capacity(
+            self.costs_for(tp), self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
+            tensor_parallel=tp, data_parallel=dp, micro_batch_size=mbs, stage=stage,
+            num_stages=stages, num_micro_batches=total_mb, recompute=recompute))
 
-    def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
-        """Most decoder layers stage `stage` can hold on a device of class c."""
-        key = ("cap", c, tp, mbs, dp, min(stages - stage, self.global_batch_size // mbs),
-               stage == 0, stage == stages - 1)
-        return self._memo(key, lambda: self._compute_layer_cap(c, tp, mbs, dp, stage, stages))
-
-    def _compute_layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int) -> int:
-        m, costs, cl = self.model, self.costs, self.classes[c]
-        per_param = self._bytes_per_param(dp)
-        in_flight = min(stages - stage, self.global_batch_size // mbs)
-        fixed = FRAMEWORK_OVERHEAD_GIB.get(cl.vendor, DEFAULT_OVERHEAD_GIB) * GIB
-        if stage == 0:
-            fixed += m.embedding_params() / tp * per_param + in_flight * costs.activation_message_bytes(mbs)
-        if stage == stages - 1:
-            fixed += m.output_params() / tp * per_param + in_flight * m.logits_activation_bytes(
-                mbs, tp, costs.precision.value_bytes)
-        largest_weight = m.layer_params()
-        if stage in (0, stages - 1):
-            largest_weight = max(largest_weight, m.vocab_size * m.hidden_size)
-        fixed += costs.layer_activation_bytes(tp, mbs) + largest_weight / tp * costs.setup.value_bytes
-        per_layer = m.layer_params() / tp * per_param + in_flight * costs.layer_activation_bytes(tp, mbs)
-        room = capacity_bytes(self.cluster.devices[cl.device_type].memory_gib) - fixed
-        return max(0, int(room // per_layer))
+    def _stage_caps(self, c: int, tp: int, mbs: int, dp: int, stages: int, recompute: str) -> list[int]:
+        """_layer_cap of every stage of a pipeline this deep: the memory model's bilinear
+        terms per kind of stage (memory.stage_memory_terms), evaluated at each stage's
+        micro-batches in flight."""
+        def compute() -> list[int]:
+            cl = self.classes[c]
+            memory_gib = self.cluster.devices[cl.device_type].memory_gib
+            total_mb = self.global_batch_size // mbs
+            v = self.setup.virtual_stages
+            caps = []
+            for s in range(stages):
+                first, last = s == 0, s == stages - 1
+                terms = self._memo(("terms", c, tp, mbs, dp, recompute, first, last), lambda: stage_memory_terms(
+                    self.costs_for(tp), first=first, last=last, vendor=cl.vendor, tensor_parallel=tp,
+                    data_parallel=dp, micro_batch_size=mbs, recompute=recompute))
+                caps.append(terms.capacity(memory_gib, micro_batches_in_flight(s, stages, total_mb, v)))
+            return caps
+        return self._memo(("caps", c, tp, mbs, dp, stages, recompute), compute)
 
     def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
         """One activation across a pipeline boundary from class a to class b."""
         key = ("send", a, b, tp, mbs, same_node, crossings)
         if key not in self._cache:
             ca, cb = self.classes[a], self.classes[b]
-            message = self.costs.activation_message_bytes(mbs)
             if a == b:
                 other = ca.hosts[0] if same_node or len(ca.hosts) == 1 else ca.hosts[1]
-                self._cache[key] = self.costs.p2p(ca.hosts[0], other, message)
+                self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], other, tp, mbs)
             else:
-                self._cache[key] = self.costs.p2p(ca.hosts[0], cb.hosts[0], message, crossings)
+                self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], cb.hosts[0], tp, mbs, crossings)
         return self._cache[key]
 
     def _group_terms(self, parts: tuple[GroupPart, ...], crossings: int) -> tuple[float, float]:
@@ -249,17 +278,6 @@ class Planner:
             spans = len({self.classes[c].group for c, *_ in parts}) > 1
             self._cache[key] = self.costs.allreduce_terms(hosts, crossings if spans else 1)
         return self._cache[key]
-
-    def _reduce_time(self, terms: tuple[float, float], params: float) -> float:
-        """Gradient reduction of `params` over a group with all-reduce `terms` (one phase)."""
-        per_byte, fixed = terms
-        if params == 0 or per_byte == 0:
-            return 0.0
-        grad = params * self.costs.precision.grad_bytes
-        if self.setup.distributed_optimizer:  # reduce-scatter gradients, all-gather weights
-            value = params * self.costs.precision.value_bytes
-            return (grad + value) * per_byte + 2 * fixed
-        return 2 * (grad * per_byte + fixed)
 
     def _stage_params(self, layers: list[int], s: int) -> float:
         first, last, stages = s == 0, s == len(layers) - 1, len(layers)
@@ -287,9 +305,6 @@ class Planner:
             return None
         distinct = sorted({p for p, _ in patterns})
         at_stage = [sorted({p[s] for p in distinct}) for s in range(stages)]
-        caps = [min(self._layer_cap(c, tp, mbs, d, s, stages) for c in at_stage[s]) for s in range(stages)]
-        if min(caps) < 1:
-            return None
         crossings = d * tp  # every replica's transfer at a boundary runs at once
 
         def sends(pattern: tuple[int, ...]) -> list[float]:
@@ -302,18 +317,16 @@ class Planner:
                 out[s + 1] += backward
             return out
 
-        pattern_sends = {p: sends(p) for p in distinct}
-        per_layer = [max(self._layer_time(c, tp, mbs) for c in at_stage[s]) for s in range(stages)]
+        same_key = tuple(sorted(same_node.items()))
+        pattern_sends = {p: self._memo(("sends", p, tp, mbs, same_key, crossings), lambda p=p: sends(p))
+                         for p in distinct}
         extra = [max(pattern_sends[p][s] for p in distinct) for s in range(stages)]
         extra[-1] += max(self._logits_time(c, tp, mbs) for c in at_stage[-1])
-        layers = split_layers(self.model.num_layers, per_layer, extra, caps)
-        if layers is None:
+        found = self._split_with_recompute(tp, mbs, d, at_stage, extra)
+        if found is None:
             return None
-        shape = {}
-        for p in distinct:
-            work = [n * self._layer_time(c, tp, mbs) + x for n, c, x in zip(layers, p, pattern_sends[p])]
-            work[-1] += self._logits_time(p[-1], tp, mbs)
-            shape[p] = (sum(work) - max(work), max(work))
+        layers, modes = found
+        shape = {p: self._replica_shape(p, layers, modes, tp, mbs, pattern_sends[p]) for p in distinct}
         counts: dict[tuple, int] = {}
         for p, n in patterns:
             counts[p] = counts.get(p, 0) + n
@@ -323,17 +336,114 @@ class Planner:
         pipeline = max(shape[p][0] + m * shape[p][1] for p in micro for m in micro[p])
         spanning = sum(len({self.classes[c].group for c, *_ in parts}) > 1 for parts in dp_parts)
         group_crossings = max(1, tp * spanning)
-        reduce = max(self._reduce_time(self._group_terms(dp_parts[s], group_crossings),
-                                       self._stage_params(layers, s) / tp) for s in range(stages))
-        share = d if self.setup.distributed_optimizer else 1
-        optimizer = max(self.costs.optimizer_step(self.classes[c].device_type,
-                                                  self._stage_params(layers, s) / tp / share)
-                        for s in range(stages) for c in at_stage[s])
+        terms = [self._group_terms(dp_parts[s], group_crossings) for s in range(stages)]
+        after = self._reduce_and_step(tp, mbs, d, layers, modes, at_stage, terms)
         given = {p: iter(micro[p]) for p in micro}
         replica_classes = [p for p, n in patterns for _ in range(n)]
         micro_batches = [next(given[p]) for p in replica_classes]
         return Candidate(family, order, tp, mbs, layers, replica_classes, micro_batches,
-                         pipeline + reduce + optimizer)
+                         pipeline + after, modes)
+
+    # The pieces of an estimate, shared by _judge (which also chooses the layout) and
+    # estimate (a given plan).
+
+    def _replica_shape(self, pattern: tuple[int, ...], layers: list[int], modes: list[str], tp: int,
+                       mbs: int, sends: list[float]) -> tuple[float, float]:
+        """(fill, step) of a replica whose stages are on classes `pattern`: running m
+        micro-batches takes about fill + m * step (the slowest stage paces the pipeline,
+        the others fill and drain it)."""
+        work = [n * self._layer_time(c, tp, mbs, r) + x for n, c, x, r in zip(layers, pattern, sends, modes)]
+        work[-1] += self._logits_time(pattern[-1], tp, mbs)
+        return sum(work) - max(work), max(work)
+
+    def _reduce_and_step(self, tp: int, mbs: int, d: int, layers: list[int], modes: list[str],
+                         at_stage: list[list[int]], terms: list[tuple[float, float]]) -> float:
+        """The slowest stage's exposed gradient synchronisation plus the slowest optimizer
+        step: the same CostModel functions the predictor calls."""
+        costs, last = self.costs_for(tp), len(layers) - 1
+        # Stages alike (same group, classes, recomputation, ends) differ only in their
+        # layer count, and the most layers take longest: judge one stage of each kind.
+        heaviest: dict[tuple, int] = {}
+        for s in range(len(layers)):
+            kind = (terms[s], tuple(at_stage[s]), modes[s], s == 0, s == last)
+            if kind not in heaviest or layers[s] > layers[heaviest[kind]]:
+                heaviest[kind] = s
+        reduce = max(costs.gradient_sync(
+            terms[s], self._stage_params(layers, s) / tp, d,
+            layers[s] * min(self._layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
+            for s in heaviest.values())
+        share = d if self.setup.distributed_optimizer else 1
+        optimizer = max(costs.optimizer_step(self.classes[c].device_type, self._stage_params(layers, s) / tp / share)
+                        for s in heaviest.values() for c in at_stage[s])
+        return reduce + optimizer
+
+    def estimate(self, plan: Plan) -> tuple[bool, float]:
+        """The fast estimate of a given plan (its layout, layers, micro-batches and
+        recomputation as they are): (fits in memory, seconds per iteration). What the
+        search ranks candidates by, applied to any plan: tests compare it with predict()."""
+        tp, pp, dp, mbs = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
+        costs = self.costs_for(tp)
+        hosts = [[plan.stage_device(d, s).host for s in range(pp)] for d in range(dp)]
+        patterns = [tuple(self._class_of[h] for h in row) for row in hosts]
+        at_stage = [sorted({p[s] for p in patterns}) for s in range(pp)]
+        layers = [stage.num_layers for stage in plan.stages]
+        modes = [stage_recompute(plan, s, costs) for s in range(pp)]
+        fits = all(layers[s] <= self._layer_cap(pattern[s], tp, mbs, dp, s, pp, modes[s],
+                                                plan.replicas[d].num_micro_batches)
+                   for d, pattern in enumerate(patterns) for s in range(pp))
+        crossings = dp * tp
+        pipeline = 0.0
+        for d, pattern in enumerate(patterns):
+            sends = [0.0] * pp
+            for s in range(pp - 1):
+                a, b, same = pattern[s], pattern[s + 1], hosts[d][s] == hosts[d][s + 1]
+                sends[s] += self._send_time(a, b, tp, mbs, same, crossings)
+                sends[s + 1] += self._send_time(b, a, tp, mbs, same, crossings)
+            fill, step = self._replica_shape(pattern, layers, modes, tp, mbs, sends)
+            pipeline = max(pipeline, fill + plan.replicas[d].num_micro_batches * step)
+        groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
+        spanning = sum(len({self.cluster.node(h).group for h in g}) > 1 for g in groups)
+        terms = [costs.allreduce_terms(tuple(g), max(1, tp * spanning)) for g in groups]
+        return fits, pipeline + self._reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms)
+
+    def _split_with_recompute(self, tp: int, mbs: int, d: int, at_stage: list[list[int]],
+                              extra: list[float]) -> tuple[list[int], list[str]] | None:
+        """Layers per stage and each stage's recomputation: every stage starts with the
+        cheapest mode; while the stages cannot hold the layers (split_layers fails only
+        then: a stage with room for none, or too little room in all), the stage with the
+        least room moves to the next mode (its activations shrink, its backward grows)."""
+        stages, modes_tried = len(at_stage), self._recompute_modes
+        by_mode: dict[str, list[int]] = {}
+
+        def caps_of(mode: str) -> list[int]:  # per stage, the least over its classes
+            if mode not in by_mode:
+                per_class = {c: self._stage_caps(c, tp, mbs, d, stages, mode) for c in set().union(*at_stage)}
+                by_mode[mode] = [min(per_class[c][s] for c in at_stage[s]) for s in range(stages)]
+            return by_mode[mode]
+
+        level = [0] * stages
+        caps = list(caps_of(modes_tried[0]))
+        total, least = sum(caps), min(caps)
+        if total < self.model.num_layers or least < 1:
+            if len(modes_tried) == 1:
+                return None
+            heap = [(cap, s) for s, cap in enumerate(caps)]  # the stage with the least room first
+            heapq.heapify(heap)
+            while heap and (total < self.model.num_layers or least < 1):
+                _, s = heapq.heappop(heap)
+                level[s] += 1
+                new = caps_of(modes_tried[level[s]])[s]
+                total += new - caps[s]
+                caps[s] = new
+                if level[s] + 1 < len(modes_tried):
+                    heapq.heappush(heap, (new, s))
+                least = min(caps) if caps[s] >= 1 > least else least
+            if total < self.model.num_layers or min(caps) < 1:
+                return None
+        modes = [modes_tried[i] for i in level]
+        per_layer = [max(self._layer_time(c, tp, mbs, modes[s]) for c in at_stage[s]) for s in range(stages)]
+        layers = split_layers(self.model.num_layers, per_layer, extra, caps)
+        return None if layers is None else (layers, modes)
 
     # ----- the three families -----------------------------------------------------------
 
@@ -420,8 +530,14 @@ class Planner:
     # ----- from a candidate to a plan -----------------------------------------------------
 
     def materialize(self, candidate: Candidate, order: str) -> Plan:
-        return place(self.cluster, self.classes, candidate.tensor_parallel, candidate.micro_batch_size,
+        plan = place(self.cluster, self.classes, candidate.tensor_parallel, candidate.micro_batch_size,
                      candidate.layers, candidate.replica_classes, candidate.micro_batches, order)
+        if candidate.recompute and any(mode != "none" for mode in candidate.recompute):
+            data = plan.to_dict()
+            for stage, mode in zip(data["stages"], candidate.recompute):
+                stage["recompute"] = mode
+            plan = Plan.from_dict(data)
+        return plan
 
     # ----- search -------------------------------------------------------------------------
 
@@ -471,18 +587,28 @@ class Planner:
             raise HeteroError("global batch size must be at least 1")
         start = time.perf_counter()
         found = self.candidates(progress)
-        best: tuple[float, Plan, Prediction, str] | None = None
+        best: tuple[float, Plan, Prediction, str, TrainingSetup] | None = None
         shortlist = self._shortlist(found)
         trials = [(c, c.order) for c in shortlist]
         trials += [(c, o) for c in shortlist[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
         for candidate, order in trials:
             plan = self.materialize(candidate, order)
-            prediction = predict(plan, self.cluster, self.costs)
-            if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
-                best = (prediction.iteration_time_s, plan, prediction, candidate.family)
+            for v in self._interleavings(plan):
+                costs = self.costs_for(candidate.tensor_parallel, v)
+                prediction = predict(plan, self.cluster, costs)
+                if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
+                    best = (prediction.iteration_time_s, plan, prediction, candidate.family, costs.setup)
         if best is None:
             raise HeteroError(self._why_nothing_fits())
-        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated)
+        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated, best[4])
+
+    def _interleavings(self, plan: Plan) -> list[int]:
+        """Virtual-stage counts Megatron can run this plan with: every stage's layers split
+        into v equal chunks, every replica with at least as many micro-batches as stages."""
+        pp = plan.pipeline_parallel
+        return [v for v in self.options.virtual_stages
+                if v == 1 or (pp > 1 and all(st.num_layers % v == 0 for st in plan.stages)
+                              and all(r.num_micro_batches >= pp for r in plan.replicas))]
 
     def _why_nothing_fits(self) -> str:
         largest = max(self.cluster.devices[c.device_type].memory_gib for c in self.classes)
@@ -493,6 +619,15 @@ class Planner:
             f"{self.options.tensor_parallel} x PP x DP split; add devices, lower the micro-batch "
             "size or sequence length, or use the distributed optimizer"
         )
+
+
+def setup_for(options: PlannerOptions, tensor_parallel: int, virtual_stages: int = 1) -> TrainingSetup:
+    """The job's settings for a plan of this TP degree and interleaving: sequence
+    parallelism as the options say (by default on whenever TP > 1)."""
+    wanted = options.sequence_parallel
+    sequence_parallel = tensor_parallel > 1 and (wanted is None or wanted)
+    return dataclasses.replace(options.setup, sequence_parallel=sequence_parallel,
+                               virtual_stages=virtual_stages)
 
 
 class _StageSweep:

@@ -1,14 +1,17 @@
 """Predicted iteration time, throughput and memory of any plan on a cluster.
 
-One iteration, as megatron-core runs it (no overlap of gradient reduction):
-1. every replica runs 1F1B over its own micro-batch count (schedule.py, exact per stage);
+One iteration, as megatron-core runs it:
+1. every replica runs 1F1B over its own micro-batch count (schedule.py, exact per stage;
+   the interleaved schedule as v chunks of 1/v of the stage per micro-batch);
 2. each rank, when its schedule ends, reduces its stage's gradients over its data-parallel
    group (hierarchical all-reduce, or reduce-scatter + all-gather with the distributed
-   optimizer), and the tied embedding's gradient between first and last stage;
+   optimizer; overlapped with the last backward when asked), and the tied embedding's
+   gradient between first and last stage;
 3. the gradient-norm all-reduce makes everyone wait for the slowest, then the optimizer
    steps.
 So the iteration takes max over stages of (the latest replica's end of that stage + its
-reduction) + the slowest optimizer step.
+reduction) + the slowest optimizer step. Every time comes from CostModel (costs.py),
+every memory figure from memory.py: the planner's fast estimate uses the same functions.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def slots(plan: Plan, cluster: Cluster) -> list[list[StageSlot]]:
     for d in range(dp):
         row = []
         for s in range(plan.pipeline_parallel):
-            entries = [plan.device_of_logical(t + tp * (d + dp * s)) for t in range(tp)]
+            entries = [plan.device_of_logical(r) for r in plan.tensor_group(d, s)]
             for e in entries:
                 try:
                     node = cluster.node(e.host)
@@ -101,135 +104,162 @@ def slots(plan: Plan, cluster: Cluster) -> list[list[StageSlot]]:
     return grid
 
 
+def stage_recompute(plan: Plan, stage: int, costs: CostModel) -> str:
+    """A stage's recomputation: its own entry's, else the job's."""
+    return getattr(plan.stages[stage], "recompute", None) or costs.setup.recompute
+
+
 def _crossings(cluster: Cluster, pairs: list[tuple[str, str]]) -> int:
     return sum(cluster.node(a).group != cluster.node(b).group for a, b in pairs)
 
 
-def predict(plan: Plan, cluster: Cluster, costs: CostModel) -> Prediction:
+def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]]) -> list[list[StageTiming]]:
+    """Per (replica, stage): one micro-batch's forward and backward, and its sends."""
     tp, pp, dp, mbs = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
-    model, setup = costs.model, costs.setup
-    grid = slots(plan, cluster)
-    layers = [stage.num_layers for stage in plan.stages]
-    message = costs.activation_message_bytes(mbs)
-
     # Transfers that share inter-group links at a pipeline boundary run at the same time.
     boundary_crossings = [
         tp * _crossings(cluster, [(grid[d][s].hosts[0], grid[d][s + 1].hosts[0]) for d in range(dp)])
         for s in range(pp - 1)
     ]
 
-    def stage_timing(slot: StageSlot) -> StageTiming:
-        s, host = slot.stage, slot.hosts[0]
-        forward, backward = costs.layer_times(slot.device_type, tp, mbs)
-        tp_comm = 2 * costs.tp_allreduce(host, tp, message)  # two per layer each way
-        f = layers[s] * (forward + tp_comm)
-        b = layers[s] * (backward + tp_comm)
+    def timing(slot: StageSlot) -> StageTiming:
+        s, d, host = slot.stage, slot.replica, slot.hosts[0]
+        layer = costs.layer_cost(slot.device_type, host, tp, mbs, stage_recompute(plan, s, costs))
+        forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
         if s == pp - 1:
             logits_f, logits_b = costs.logits_times(slot.device_type, tp, mbs)
-            f, b = f + logits_f, b + logits_b
-        d = slot.replica
-        send_f = costs.p2p(host, grid[d][s + 1].hosts[0], message, boundary_crossings[s]) if s < pp - 1 else 0.0
-        send_b = costs.p2p(host, grid[d][s - 1].hosts[0], message, boundary_crossings[s - 1]) if s > 0 else 0.0
-        return StageTiming(f, b, send_f, send_b)
+            forward, backward = forward + logits_f, backward + logits_b
+        send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s]) if s < pp - 1 else 0.0
+        send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1]) if s > 0 else 0.0
+        return StageTiming(forward, backward, send_f, send_b)
 
-    timings = [[stage_timing(slot) for slot in row] for row in grid]
+    return [[timing(slot) for slot in row] for row in grid]
 
-    # 1. pipelines (replicas with the same timings and micro-batch count simulate once)
+
+def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_stages: int
+                       ) -> tuple[list[float], dict[int, list[list[Op]]]]:
+    """(latest end of each stage over the replicas, each replica's ops). Replicas with the
+    same timings and micro-batch count simulate once. The interleaved schedule runs each
+    micro-batch as v chunks of 1/v of the stage, each sent on: simulated as v*m micro-
+    batches of 1/v of the compute with whole sends, which gives its bubble (p-1)/(v*m)."""
     simulated: dict[tuple, list[list[Op]]] = {}
     timelines: dict[int, list[list[Op]]] = {}
-    stage_end = [0.0] * pp
-    for d in range(dp):
+    stage_end = [0.0] * plan.pipeline_parallel
+    v = virtual_stages
+    for d, row in enumerate(timings):
         m = plan.replicas[d].num_micro_batches
-        key = (tuple(timings[d]), m)
+        key = (tuple(row), m)
         if key not in simulated:
-            simulated[key] = simulate_1f1b(timings[d], m)
+            chunks = row if v == 1 else [
+                StageTiming(t.forward_s / v, t.backward_s / v, t.send_forward_s, t.send_backward_s) for t in row]
+            simulated[key] = simulate_1f1b(chunks, m * v)
         timelines[d] = simulated[key]
-        for s in range(pp):
-            stage_end[s] = max(stage_end[s], simulated[key][s][-1].end)
+        for s, ops in enumerate(simulated[key]):
+            stage_end[s] = max(stage_end[s], ops[-1].end)
+    return stage_end, timelines
 
-    # 2. gradient reduction per stage
-    grad_bytes = costs.precision.grad_bytes
-    stage_param_counts = [stage_params(costs, layers[s], s == 0, s == pp - 1, pp) / tp for s in range(pp)]
-    dp_hosts = [[[grid[d][s].hosts[t] for d in range(dp)] for t in range(tp)] for s in range(pp)]
-    crossing_groups = sum(
-        1 for s in range(pp) for t in range(tp)
-        if len({cluster.node(h).group for h in dp_hosts[s][t]}) > 1
-    )
+
+def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]],
+                       timings: list[list[StageTiming]]) -> list[float]:
+    """Exposed gradient synchronisation of each stage (its slowest tensor-parallel rank),
+    plus the tied embedding's all-reduce on the first and last stage."""
+    tp, pp, dp = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel
+    model = costs.model
+    hosts = [[[grid[d][s].hosts[t] for d in range(dp)] for t in range(tp)] for s in range(pp)]
+    crossing_groups = sum(1 for s in range(pp) for t in range(tp)
+                          if len({cluster.node(h).group for h in hosts[s][t]}) > 1)
     reduce_s = []
     for s in range(pp):
-        params = stage_param_counts[s]
-        per_tp_rank = []
-        for t in range(tp):
-            hosts = dp_hosts[s][t]
-            if setup.distributed_optimizer:
-                time = costs.group_allreduce(hosts, params * grad_bytes, crossing_groups, phases=1)
-                time += costs.group_allreduce(hosts, params * costs.precision.value_bytes, crossing_groups, phases=1)
-            else:
-                time = costs.group_allreduce(hosts, params * grad_bytes, crossing_groups)
-            per_tp_rank.append(time)
-        reduce_s.append(max(per_tp_rank))
+        params = stage_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp) / tp
+        last_backward = min(timings[d][s].backward_s for d in range(dp))
+        reduce_s.append(max(
+            costs.gradient_sync(costs.allreduce_terms(tuple(hosts[s][t]), crossing_groups), params, dp, last_backward)
+            for t in range(tp)))
     if pp > 1 and not model.untie_embeddings_and_output_weights:
-        table = model.vocab_size * model.hidden_size / tp * grad_bytes
+        table = model.vocab_size * model.hidden_size / tp * costs.setup.grad_bytes
         tie = max(costs.group_allreduce([grid[d][0].hosts[t], grid[d][-1].hosts[t]], table)
                   for d in range(dp) for t in range(tp))
         reduce_s[0] += tie
         reduce_s[-1] += tie
+    return reduce_s
 
-    # 3. optimizer
-    optimizer_s = 0.0
-    for row in grid:
-        for slot in row:
-            local = stage_param_counts[slot.stage] / (dp if setup.distributed_optimizer else 1)
-            optimizer_s = max(optimizer_s, costs.optimizer_step(slot.device_type, local))
 
-    iteration = max(stage_end[s] + reduce_s[s] for s in range(pp)) + optimizer_s
+def optimizer_time(plan: Plan, costs: CostModel, grid: list[list[StageSlot]]) -> float:
+    """The slowest rank's optimizer step (the gradient-norm all-reduce synchronises all)."""
+    pp, share = plan.pipeline_parallel, plan.data_parallel if costs.setup.distributed_optimizer else 1
+    return max(
+        costs.optimizer_step(slot.device_type, stage_params(
+            costs, plan.stages[slot.stage].num_layers, slot.stage == 0, slot.stage == pp - 1, pp)
+            / plan.tensor_parallel / share)
+        for row in grid for slot in row)
 
-    # throughput and memory
-    flops_by_type: dict[str, float] = {}
-    devices_by_type: dict[str, int] = {}
-    reports, problems = [], []
-    peak: dict[str, float] = {}
-    capacity_gib: dict[str, float] = {}
-    layer_flops = model.layer_forward_flops_per_token() * 3
-    logits_flops = model.logits_forward_flops_per_token() * 3
-    tokens_per_micro_batch = mbs * model.seq_length
+
+def stage_memories(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]],
+                   timings: list[list[StageTiming]]) -> tuple[list[StageReport], list[str]]:
+    """Each (replica, stage)'s memory, and what does not fit."""
+    pp = plan.pipeline_parallel
     memories: dict[tuple, MemoryEstimate] = {}
+    reports, problems = [], []
     for d, row in enumerate(grid):
         m = plan.replicas[d].num_micro_batches
         for slot in row:
-            s = slot.stage
-            work = m * tokens_per_micro_batch * (layers[s] * layer_flops + (logits_flops if s == pp - 1 else 0))
-            flops_by_type[slot.device_type] = flops_by_type.get(slot.device_type, 0.0) + work
-            devices_by_type[slot.device_type] = devices_by_type.get(slot.device_type, 0) + tp
-            key = (slot.vendor, s, min(m, pp - s))
+            s, layers = slot.stage, plan.stages[slot.stage].num_layers
+            key = (slot.vendor, s, min(m, pp - s) if costs.setup.virtual_stages == 1 else m)
             if key not in memories:
                 memories[key] = rank_memory(
-                    costs, vendor=slot.vendor, tensor_parallel=tp, data_parallel=dp, micro_batch_size=mbs,
-                    num_layers=layers[s], stage=s, num_stages=pp, num_micro_batches=m,
-                    distributed_optimizer=setup.distributed_optimizer,
-                )
+                    costs, vendor=slot.vendor, tensor_parallel=plan.tensor_parallel,
+                    data_parallel=plan.data_parallel, micro_batch_size=plan.micro_batch_size,
+                    num_layers=layers, stage=s, num_stages=pp, num_micro_batches=m,
+                    recompute=stage_recompute(plan, s, costs))
             memory = memories[key]
             device = cluster.devices[slot.device_type]
-            capacity = capacity_bytes(device.memory_gib)
-            capacity_gib[slot.device_type] = device.memory_gib
-            reports.append(StageReport(slot, layers[s], timings[d][s], memory, capacity))
-            peak[slot.device_type] = max(peak.get(slot.device_type, 0.0), memory.total / GIB)
-            if memory.total > capacity:
+            reports.append(StageReport(slot, layers, timings[d][s], memory, capacity_bytes(device.memory_gib)))
+            if memory.total > capacity_bytes(device.memory_gib):
                 problems.append(
-                    f"replica {d} stage {s} ({slot.device_type}, {layers[s]} layers) needs "
+                    f"replica {d} stage {s} ({slot.device_type}, {layers} layers) needs "
                     f"{memory.total / GIB:.1f} GiB of {device.memory_gib:g} GiB"
                 )
-    tflops = {k: flops_by_type[k] / devices_by_type[k] / iteration / 1e12 for k in flops_by_type}
+    return reports, problems
+
+
+def model_tflops(plan: Plan, costs: CostModel, grid: list[list[StageSlot]], iteration_s: float) -> dict[str, float]:
+    """Model TFLOP/s per device, by device type (recomputation not counted)."""
+    model, pp = costs.model, plan.pipeline_parallel
+    tokens = plan.micro_batch_size * model.seq_length
+    layer_flops = model.layer_forward_flops_per_token() * 3
+    logits_flops = model.logits_forward_flops_per_token() * 3
+    flops: dict[str, float] = {}
+    devices: dict[str, int] = {}
+    for d, row in enumerate(grid):
+        for slot in row:
+            work = plan.stages[slot.stage].num_layers * layer_flops + (logits_flops if slot.stage == pp - 1 else 0)
+            flops[slot.device_type] = flops.get(slot.device_type, 0.0) + plan.replicas[d].num_micro_batches * tokens * work
+            devices[slot.device_type] = devices.get(slot.device_type, 0) + plan.tensor_parallel
+    return {k: flops[k] / devices[k] / iteration_s / 1e12 for k in flops}
+
+
+def predict(plan: Plan, cluster: Cluster, costs: CostModel) -> Prediction:
+    grid = slots(plan, cluster)
+    timings = stage_timings(plan, cluster, costs, grid)
+    stage_end, timelines = simulate_pipelines(plan, timings, costs.setup.virtual_stages)
+    reduce_s = gradient_reduction(plan, cluster, costs, grid, timings)
+    optimizer_s = optimizer_time(plan, costs, grid)
+    iteration = max(end + reduce for end, reduce in zip(stage_end, reduce_s)) + optimizer_s
+    reports, problems = stage_memories(plan, cluster, costs, grid, timings)
+    peak: dict[str, float] = {}
+    for report in reports:
+        device_type = report.slot.device_type
+        peak[device_type] = max(peak.get(device_type, 0.0), report.memory.total / GIB)
     return Prediction(
         iteration_time_s=iteration,
-        tokens_per_s=plan.global_batch_size * model.seq_length / iteration,
+        tokens_per_s=plan.global_batch_size * costs.model.seq_length / iteration,
         stage_end_s=stage_end,
         reduce_s=reduce_s,
         optimizer_s=optimizer_s,
         reports=reports,
-        tflops_per_device=tflops,
+        tflops_per_device=model_tflops(plan, costs, grid, iteration),
         peak_memory_gib=peak,
-        memory_capacity_gib=capacity_gib,
+        memory_capacity_gib={t: cluster.devices[t].memory_gib for t in peak},
         problems=problems,
         timelines=timelines,
     )

@@ -31,17 +31,22 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
         lines.append(
             f"training   global batch {plan.global_batch_size} x sequence {training.get('seq_length')}, "
             f"{training.get('precision')}, distributed optimizer "
-            f"{'on' if training.get('distributed_optimizer') else 'off'}"
+            f"{'on' if training.get('distributed_optimizer') else 'off'}, sequence parallel "
+            f"{'on' if training.get('sequence_parallel') else 'off'}, "
+            f"{training.get('virtual_stages', 1)} virtual stage(s) per stage"
         )
+        if training.get("precision_reason"):
+            lines.append(f"precision  {training['precision_reason']}")
     family = plan.model_extra.get("provenance", {}).get("family")
     lines.append(
         f"layout     TP={plan.tensor_parallel} PP={plan.pipeline_parallel} DP={plan.data_parallel}, "
         f"micro-batch {plan.micro_batch_size}" + (f", {family} replicas" if family else "")
     )
-    lines.append("stages     stage  layers  devices")
+    lines.append("stages     stage  layers  recompute  devices")
     for s, stage in enumerate(plan.stages):
         devices = ", ".join(stage.model_extra.get("device_types", []))
-        lines.append(f"           {s:5d}  {stage.num_layers:6d}  {devices}")
+        recompute = getattr(stage, "recompute", None) or training.get("recompute", "none")
+        lines.append(f"           {s:5d}  {stage.num_layers:6d}  {recompute:9s}  {devices}")
     lines.append("replicas   count  micro-batches  devices")
     for count, devices, micro in _replica_groups(plan):
         lines.append(f"           {count:5d}  {micro:13d}  {devices}")
@@ -110,7 +115,7 @@ def _predicted_spans(prediction: Prediction, d: int, s: int) -> list[Span]:
 
 
 def _row_label(plan: Plan, d: int, s: int) -> str:
-    stage_device = plan.device_of_logical(plan.tensor_parallel * (d + plan.data_parallel * s)).device_type
+    stage_device = plan.stage_device(d, s).device_type
     return (f"replica {d} stage {s} ({stage_device}, {plan.stages[s].num_layers} layers, "
             f"{plan.replicas[d].num_micro_batches} mb)")
 

@@ -11,6 +11,7 @@ from hetero.cli import main
 from hetero.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.model import load_model
+from hetero.costs import TrainingSetup
 from hetero.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -37,8 +38,15 @@ def test_writes_a_plan_with_its_prediction_and_explains_it(tmp_path, capsys):
                 "speedup_over_baseline", "peak_memory_gib", "tflops_per_device"):
         assert key in prediction
     assert prediction["speedup_over_baseline"] >= 1.0
-    assert data["training"] == {"global_batch_size": 256, "seq_length": 2048, "precision": "bf16",
-                                "distributed_optimizer": True, "fused_kernels": True, "dropout": True}
+    training = data["training"]
+    assert {k: training[k] for k in ("global_batch_size", "seq_length", "precision", "distributed_optimizer",
+                                     "fused_kernels", "dropout")} == {
+        "global_batch_size": 256, "seq_length": 2048, "precision": "fp16", "distributed_optimizer": True,
+        "fused_kernels": True, "dropout": True}
+    # V100s have no bf16: the planner chose fp16 on every device over bf16 on the A100s alone
+    assert training["precision_reason"] == "fp16 on all devices (V100-16GB has no bf16)"
+    assert "precision  fp16 on all devices (V100-16GB has no bf16)" in printed
+    assert TrainingSetup.from_dict(training).recompute in ("none", "selective", "full")
     plan = Plan.load(out)
     assert plan.global_batch_size == 256 and plan.world_size <= 128
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -105,4 +113,6 @@ def test_a_plan_for_another_model_is_refused(tmp_path):
                  "--quiet", "--skip-baseline", "--skip-upper-bound"]) == 0
     result = run_pretrain(GPT_MODEL + TRAINING + ["--hetero-plan", str(out)], timeout=120)
     assert result.returncode == 2
-    assert "the plan was made for another model or precision (hidden-size: plan 128, flags 64)" in result.stderr
+    assert "the plan was made for another model or precision (hidden-size: plan 128, flags 64;" in result.stderr
+    # every field is compared after Megatron's defaults, the derived ones too
+    assert "ffn-hidden-size: plan 512, flags 256" in result.stderr

@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import os
 from typing import Sequence
 
+from hetero.catalog import DEVICES
+from hetero.cluster import Cluster
 from hetero.errors import HeteroError
+from hetero.model import ModelSpec
 from hetero.plan import Plan
 from megatron.hetero import flags
 
@@ -342,35 +346,57 @@ def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
     args.data_parallel_size = plan.data_parallel
 
 
-# Plan "model" fields (Megatron's names) that must equal the run's flags once defaults
-# are filled in.
-_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                 "num_query_groups", "kv_channels", "seq_length", "swiglu",
-                 "untie_embeddings_and_output_weights", "add_bias_linear", "normalization",
-                 "position_embedding_type")
-
-
 def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
     """A plan from hetero-plan records the model and training it was made for; the run
-    must be that model (the plan's times and memory are for it) and that precision."""
-    model = plan.model_extra.get("model") or {}
-    wrong = [
-        f"{name.replace('_', '-')}: plan {model[name]!r}, flags {getattr(args, name)!r}"
-        for name in _MODEL_FIELDS
-        if model.get(name) is not None and model[name] != getattr(args, name)
-    ]
+    must be that model (the plan's times and memory are for it) and that precision, on
+    devices that support it. Every field of the model is compared after Megatron's
+    defaults are filled in on both sides, except the vocabulary: the tokenizer pads it
+    later, and the training start compares the padded size with the plan's."""
+    planned = plan.model_extra.get("model")
+    wrong = []
+    if planned:
+        try:
+            theirs = ModelSpec(**planned)
+        except TypeError as err:
+            raise HeteroError(f"the plan's model section is not a model spec ({err}); regenerate "
+                              "the plan with hetero-plan") from None
+        ours = ModelSpec.from_megatron_args(args)
+        wrong = [f"{name}: plan {planned_value!r}, flags {flag_value!r}"
+                 for name, planned_value, flag_value in theirs.differences(ours, skip=("vocab_size",))]
     training = plan.model_extra.get("training") or {}
     precision = training.get("precision")
     if precision and precision != args.params_dtype:
-        flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}[precision]
+        flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}.get(precision, precision)
         wrong.append(f"precision: plan {precision} ({flag}), flags {args.params_dtype}")
     if wrong:
         raise HeteroError(
             "the plan was made for another model or precision (" + "; ".join(wrong) + "); run the "
             "model it was made for, or regenerate it with hetero-plan --model ... --precision ..."
         )
+    check_precision_supported(args, plan)
     if training.get("distributed_optimizer"):
         args.use_distributed_optimizer = True  # the plan's memory assumes it
+
+
+def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
+    """--bf16 (or --fp16) on a device whose matrix units lack it: refused, naming the
+    device (the plan's devices, and HETERO_DEVICE when this process stands in for one)."""
+    if args.params_dtype == "fp32":
+        return
+    devices = dict(DEVICES)
+    cluster = plan.model_extra.get("cluster")
+    if cluster:
+        devices.update(Cluster.from_dict(cluster, "the plan's cluster section").devices)
+    names = {d.device_type for d in plan.devices}
+    names.update(n for n in os.environ.get("HETERO_DEVICE", "").split(",") if n)
+    lacking = sorted(n for n in names if n in devices and not devices[n].supports(args.params_dtype))
+    if lacking:
+        other = "--fp16" if args.params_dtype == "bf16" else "--bf16"
+        raise HeteroError(
+            f"--{args.params_dtype} is not supported by {', '.join(lacking)} (its matrix units run "
+            f"{', '.join(devices[lacking[0]].precisions)}); train with {other} if every device has it, "
+            f"or plan without these devices (hetero-plan picks the precision when --precision is not given)"
+        )
 
 
 def validate_args(args: argparse.Namespace) -> None:

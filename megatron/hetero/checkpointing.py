@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import HeteroError
+from hetero.model import ModelSpec
 from hetero.plan import Plan, write_json_atomic
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import (
@@ -68,13 +69,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # Each parameter's optimizer state stored as a slice of the whole parameter: loads under
 # any TP/PP/DP layout (and without the distributed optimizer).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
-# The fields that make two models the same shape; a checkpoint of another shape is refused.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "kv_channels", "padded_vocab_size", "swiglu",
-                "untie_embeddings_and_output_weights", "add_bias_linear", "normalization",
-                "position_embedding_type", "max_position_embeddings", "params_dtype")
-
-
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
@@ -140,7 +134,11 @@ def _layout() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 
 def model_shape(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in SHAPE_FIELDS}
+    """What makes two models the same shape: the ModelSpec the runtime builds (every field,
+    Megatron's defaults filled in), and the parameter dtype. A checkpoint of another shape
+    is refused."""
+    spec = ModelSpec.from_megatron_args(args).to_dict()
+    return {**spec, "padded_vocab_size": args.padded_vocab_size, "params_dtype": args.params_dtype}
 
 
 def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool, rng: bool,

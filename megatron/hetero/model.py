@@ -119,19 +119,8 @@ def _moe_config(args: argparse.Namespace) -> dict:
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    return ModelSpec(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        vocab_size=args.padded_vocab_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        swiglu=args.swiglu,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear,
-    )
+    """The model these flags build, as the planner describes models."""
+    return ModelSpec.from_megatron_args(args)
 
 
 def _layer_spec(args: argparse.Namespace):

@@ -246,16 +246,12 @@ class Watchdog:
 
 def neighbours(plan: Plan, launch_rank: int) -> list[int]:
     """Launch ranks this one exchanges data with directly."""
-    tp, dp, pp = plan.tensor_parallel, plan.data_parallel, plan.pipeline_parallel
     me = plan.coords(plan.logical_rank(launch_rank))
-    logical = set()
-    for t in range(tp):
-        logical.add(t + tp * (me.dp_rank + dp * me.pp_rank))
-    for s in (me.pp_rank - 1, me.pp_rank + 1):
-        if 0 <= s < pp:
-            logical.add(me.tp_rank + tp * (me.dp_rank + dp * s))
-    for d in (me.dp_rank - 1, me.dp_rank + 1):
-        logical.add(me.tp_rank + tp * (d % dp + dp * me.pp_rank))
+    logical = set(plan.tensor_group(me.dp_rank, me.pp_rank))
+    pipeline = plan.pipeline_group(me.tp_rank, me.dp_rank)
+    logical.update(pipeline[max(0, me.pp_rank - 1): me.pp_rank + 2])
+    data = plan.data_group(me.tp_rank, me.pp_rank)
+    logical.update(data[(me.dp_rank + step) % len(data)] for step in (-1, 1))
     return sorted(plan.launch_rank(r) for r in logical if plan.launch_rank(r) != launch_rank)
 
 

@@ -1,0 +1,68 @@
+"""How much of a device's peak a matrix multiply reaches, by shape and device family.
+
+A GEMM of shape (M, K) x (K, N) is fast when every dimension is large enough to fill the
+device's tensor-core tiles and to hide memory traffic behind arithmetic; small dimensions
+leave the device partly idle. We use Hockney's two-parameter form (Hockney & Jesshope,
+"Parallel Computers 2", 1988: r(n) = r_inf * n / (n + n_half)) on the GEMM's smallest
+dimension n:
+
+    efficiency(n) = large_gemm_fraction * n / (n + half_size)
+
+- large_gemm_fraction: what cuBLAS/rocBLAS reach on large square 16-bit GEMMs, as a
+  fraction of the datasheet's dense peak. A100: NVIDIA's "Matrix Multiplication
+  Background" guide (docs.nvidia.com/deeplearning/performance/dl-performance-matrix-
+  multiplication) shows large fp16 GEMMs at about 80% of the 312 TFLOP/s peak; H100 SXM
+  reaches a smaller share of its (much higher) peak in the same benchmarks, about 70%;
+  MI250X/MI300X hipBLASLt benchmarks published by AMD reach about 70% and 60%.
+- half_size: the dimension at which half of that is reached. Tile-based kernels with
+  128-256 wide tiles on 108-132 SMs reach half speed around a few hundred (the same
+  guide's figures: a K or N of 256-512 runs at well under full speed).
+
+Profiles (measured per-layer times, tools/profile_compute.py) replace all of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    large_gemm_fraction: float
+    """Fraction of dense peak a large, well-shaped 16-bit GEMM reaches."""
+    half_size: float
+    """Smallest GEMM dimension at which half of large_gemm_fraction is reached."""
+
+    def gemm(self, m: float, n: float, k: float) -> float:
+        smallest = max(1.0, min(m, n, k))
+        return self.large_gemm_fraction * smallest / (smallest + self.half_size)
+
+
+# Per device family (catalog names, matched by prefix); the default for anything else.
+CURVES: dict[str, EfficiencyCurve] = {
+    "V100": EfficiencyCurve(0.80, 96),
+    "A100": EfficiencyCurve(0.80, 128),
+    "A800": EfficiencyCurve(0.80, 128),
+    "H100": EfficiencyCurve(0.70, 192),
+    "H800": EfficiencyCurve(0.70, 192),
+    "H200": EfficiencyCurve(0.70, 192),
+    "MI250X": EfficiencyCurve(0.70, 192),
+    "MI300X": EfficiencyCurve(0.60, 256),
+}
+DEFAULT_CURVE = EfficiencyCurve(0.65, 192)
+# CPU processes (the emulator, tests): fp32 GEMMs through oneDNN/MKL on AVX-512 cores reach
+# about 80% of the cores' FMA peak on large shapes, and need a few hundred rows and columns
+# to get there (cache blocking), so the small test models run far below it.
+CPU_CURVE = EfficiencyCurve(0.80, 256)
+# Memory-bound kernels (norms, softmax, dropout, activations, the optimizer): the share of
+# datasheet bandwidth a streaming kernel reaches (STREAM-like copies reach 80-90% on HBM).
+MEMORY_EFFICIENCY = 0.8
+
+
+def curve_for(device_name: str, vendor: str | None = None) -> EfficiencyCurve:
+    if vendor == "cpu":
+        return CPU_CURVE
+    for prefix, curve in CURVES.items():
+        if device_name.startswith(prefix):
+            return curve
+    return DEFAULT_CURVE
