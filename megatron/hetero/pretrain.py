@@ -20,6 +20,7 @@ from hetero.plan import DeviceEntry, Plan
 from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
 from megatron.hetero.distributed import Launch, read_launch, wait_for_peers_to_fail
 from megatron.hetero.log import error
+from megatron.hetero.performance import configure_performance
 
 
 def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | None]:
@@ -72,6 +73,7 @@ def configure(argv: Sequence[str], launch: Launch) -> tuple[argparse.Namespace, 
     apply_plan(args, plan)
     validate_args(args)
     check_plan_model(args, plan)
+    plan = configure_performance(args, plan)
     return args, plan, plan_source
 
 

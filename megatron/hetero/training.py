@@ -8,6 +8,7 @@ so replicas of different size contribute exactly by the tokens they processed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 import time
@@ -43,8 +44,15 @@ from megatron.hetero.log import (
     print_rank_0,
     print_rank_last,
 )
-from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
+from megatron.hetero.model import (
+    build_model,
+    count_parameters,
+    model_spec,
+    resolve_transformer_impl,
+    transformer_config,
+)
 from megatron.hetero.patches import apply_patches
+from megatron.hetero.performance import startup_lines as performance_startup_lines
 from megatron.hetero.tracing import TRACE
 from megatron.hetero.watchdog import Watchdog
 
@@ -93,11 +101,44 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
+def chunk_data_iterators(data_iterator, num_chunks: int):
+    """The schedule's data: one iterator, or with virtual stages one per model chunk, where
+    only the chunk holding the model's first (embedding) or last (loss) layers reads."""
+    if num_chunks == 1:
+        return data_iterator
+    reading = 0 if parallel_state.is_pipeline_first_stage() else num_chunks - 1
+    return [data_iterator if chunk == reading else None for chunk in range(num_chunks)]
+
+
+def sync_params_now(model_chunks: list, args: argparse.Namespace) -> None:
+    """With --overlap-param-gather the updated weights arrive during the next forward;
+    reading them (norm, checkpoint) first waits for the gather (Megatron-LM's force_param_sync)."""
+    if args.overlap_param_gather:
+        for chunk in model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+@contextlib.contextmanager
+def gathered_params(model_chunks: list, args: argparse.Namespace):
+    """Evaluation without the forward pre-hooks that overlap the parameter gather, as
+    Megatron-LM's evaluate does (the weights are gathered first, the hooks come back after)."""
+    if not args.overlap_param_gather:
+        yield
+        return
+    for chunk in model_chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model_chunks:
+            chunk.enable_forward_pre_hook()
+
+
 # ----- optimizer --------------------------------------------------------------------------
 
 
 def build_optimizer(
-    args: argparse.Namespace, plan: Plan, model, params_dtype: torch.dtype
+    args: argparse.Namespace, plan: Plan, model_chunks: list, params_dtype: torch.dtype
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -121,7 +162,7 @@ def build_optimizer(
             clip_grad=args.clip_grad,
             log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         ),
-        [model],
+        model_chunks,
     )
     # As Megatron-LM with --train-iters: the schedule counts samples.
     gbs = plan.global_batch_size
@@ -169,9 +210,10 @@ class _IntervalStats:
 class Trainer:
     """One rank's share of the job: its stage, its replica's micro-batches."""
 
-    def __init__(self, args, plan: Plan, ctx: RankContext, model, optimizer, scheduler):
+    def __init__(self, args, plan: Plan, ctx: RankContext, model_chunks: list, optimizer, scheduler):
         self.args, self.plan, self.ctx = args, plan, ctx
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        self.model = model_chunks[0]  # checkpoints: one chunk (virtual stages are refused there)
         self.flops_per_iteration = model_spec(args).training_flops(plan.global_batch_size)
         self.num_micro_batches = plan.replicas[parallel_state.get_data_parallel_rank()].num_micro_batches
         self.forward_backward = get_forward_backward_func()
@@ -190,8 +232,8 @@ class Trainer:
     def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
         losses = self.forward_backward(
             forward_step_func=forward_step,
-            data_iterator=data_iterator,
-            model=[self.model],
+            data_iterator=chunk_data_iterators(data_iterator, len(self.model_chunks)),
+            model=self.model_chunks,
             num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.plan.micro_batch_size,
@@ -200,7 +242,8 @@ class Trainer:
         return self._reduce_losses(losses)
 
     def train_step(self, data_iterator) -> tuple[dict[str, float], float | None, bool, int | None]:
-        self.model.zero_grad_buffer()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
         with TRACE.span("step"):
@@ -211,18 +254,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, data_iterator) -> dict[str, float]:
-        self.model.eval()
         totals: dict[str, float] = {}
-        for _ in range(self.args.eval_iters):
-            for key, value in self._run_schedule(data_iterator, forward_only=True).items():
-                totals[key] = totals.get(key, 0.0) + value
-        self.model.train()
+        with gathered_params(self.model_chunks, self.args):
+            for chunk in self.model_chunks:
+                chunk.eval()
+            for _ in range(self.args.eval_iters):
+                for key, value in self._run_schedule(data_iterator, forward_only=True).items():
+                    totals[key] = totals.get(key, 0.0) + value
+            for chunk in self.model_chunks:
+                chunk.train()
         return {k: v / self.args.eval_iters for k, v in totals.items()}
 
     def _params_norm(self) -> float:
         """L2 norm of the whole model: each parameter counted once across TP and PP."""
         squares = torch.zeros(1, dtype=torch.float64)
-        for param in self.model.parameters():
+        sync_params_now(self.model_chunks, self.args)
+        for param in (p for chunk in self.model_chunks for p in chunk.parameters()):
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
                 squares += param.detach().double().pow(2).sum().cpu()
         torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
@@ -311,6 +358,7 @@ class Trainer:
                 "host": device.host, "device_type": device.device_type}
 
     def save(self, iteration: int) -> None:
+        sync_params_now(self.model_chunks, self.args)
         save_checkpoint(self.args.save, iteration, self.model, self.optimizer, self.scheduler,
                         self.args, self.plan)
 
@@ -334,6 +382,8 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
                 f"-> launch rank {plan.launch_rank(logical):4d} on {d.host} ({d.device_type}, {d.vendor})"
             )
     print_rank_0(f"> megatron-core patches applied: {', '.join(patches) or 'none'}")
+    for line in performance_startup_lines(args, plan, resolve_transformer_impl(args)):
+        print_rank_0(line)
     kernel_flags = used_kernel_tuning_flags(args)
     if kernel_flags and not torch.cuda.is_available():
         print_rank_0(f"> {', '.join(kernel_flags)}: no effect on the CPU (no fused kernels)")
@@ -392,14 +442,14 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
 
     print_rank_0("building GPT model ...")
     config = transformer_config(args, plan)
-    model = build_model(args, plan, config)
+    model_chunks = build_model(args, plan, config)
     if parallel_state.get_data_parallel_rank() == 0:
         print_all(
             " > number of parameters on (tensor, pipeline) model parallel rank "
             f"({parallel_state.get_tensor_model_parallel_rank()}, "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model)}"
+            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model_chunks)}"
         )
-    optimizer, scheduler = build_optimizer(args, plan, model, config.params_dtype)
+    optimizer, scheduler = build_optimizer(args, plan, model_chunks, config.params_dtype)
     config.grad_scale_func = optimizer.scale_loss
 
     print_rank_0("> building train, validation, and test datasets ...")
@@ -407,10 +457,10 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
         logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     train_ds, valid_ds, test_ds = data.build_datasets(args, tokenizer)
 
-    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler)
+    trainer = Trainer(args, plan, ctx, model_chunks, optimizer, scheduler)
     start_iteration = 0
     if args.load:
-        start_iteration, _ = load_checkpoint(args.load, model, optimizer, scheduler, args)
+        start_iteration, _ = load_checkpoint(args.load, model_chunks[0], optimizer, scheduler, args)
     do_valid = args.eval_iters > 0 and valid_ds is not None
     # The data position follows from the iteration: iteration i reads samples [i*G, (i+1)*G).
     valid_iterator = data.micro_batch_iterator(
