@@ -103,6 +103,8 @@ def test_per_stage_recomputation_overrides_the_flags():
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--recompute-granularity", "full"], "needs --recompute-method uniform|block"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     "stage 0 holds 3 layers (megatron-core needs whole groups)"),
     (["--recompute-granularity", "selective", "--recompute-method", "uniform"], "takes no --recompute-method"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
     (["--overlap-param-gather", "--use-distributed-optimizer"], "needs --overlap-grad-reduce"),
@@ -150,10 +152,10 @@ def test_full_and_selective_recomputation(tmp_path, gpt_reference):
     # Stage 0 takes the flags (full, uniform); the plan makes stage 1 selective.
     plan = _plan_v2([{"num_layers": 3}, {"num_layers": 1, "recompute": "selective"}],
                     tp=1, pp=2, dp=2, replicas=[5, 3], rank_order=[2, 0, 3, 1])
-    flags = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
+    flags = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"]
     result = run_pretrain(GPT_MODEL + TRAINING + flags, nproc=4, plan=plan, tmp_path=tmp_path)
     assert_same_training(gpt_reference, result)
-    assert "stage 0: full, uniform, 2 layer(s), stage 1: selective (core_attn)" in result.stdout
+    assert "stage 0: full, uniform, 3 layer(s), stage 1: selective (core_attn)" in result.stdout
 
 
 @pytest.mark.slow

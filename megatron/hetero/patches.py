@@ -120,6 +120,39 @@ def _apply_reshardable_offsets() -> object:
     return sharded_param_state_fully_reshardable
 
 
+def _torch_norm_in_use() -> bool:
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return gpt_layer_specs.LNImpl is WrappedTorchNorm
+
+
+def _apply_sequence_parallel_torch_norm() -> object:
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        # A norm acts on each token alone, so a sequence shard is normalised as the whole
+        # would be; what sequence parallelism needs is that the weights' gradients (from
+        # each rank's shard) are summed over the tensor-parallel group, which
+        # finalize_model_grads does for parameters marked sequence_parallel (as apex's and
+        # transformer-engine's norms mark theirs).
+        unsharded = copy.copy(config)  # no __post_init__: only the flag differs
+        unsharded.sequence_parallel = False
+        norm = original(cls, unsharded, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", True)
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+    return __new__
+
+
 def _apply_schedule_trace() -> object:
     from megatron.hetero.tracing import wrap_schedule_functions
 
@@ -160,6 +193,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_reshardable_offsets,
+    ),
+    Patch(
+        name="sequence-parallel-torch-norm",
+        why=(
+            "without apex/transformer-engine megatron-core's local layers use torch's norms, "
+            "whose wrapper refuses --sequence-parallel only because it does not mark its "
+            "weights for the tensor-parallel gradient sum; the norm is built as usual and its "
+            "weights marked sequence_parallel, as apex's FusedLayerNorm and TE's norms do"
+        ),
+        needed=_torch_norm_in_use,
+        apply=_apply_sequence_parallel_torch_norm,
     ),
     Patch(
         name="schedule-trace",

@@ -38,7 +38,9 @@ def configure_performance(args: argparse.Namespace, plan: Plan) -> Plan:
     _check_sequence_parallel(args, plan)
     _check_transformer_engine_features(args)
     _check_overlap(args)
-    return _with_virtual_stages(args, plan)
+    plan = _with_virtual_stages(args, plan)
+    _check_uniform_recompute_groups(args, plan)
+    return plan
 
 
 def _check_recompute_flags(args: argparse.Namespace) -> None:
@@ -58,6 +60,24 @@ def _check_recompute_flags(args: argparse.Namespace) -> None:
         raise HeteroError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
     if args.recompute_modules is not None and args.recompute_granularity != "selective":
         raise HeteroError("--recompute-modules is for --recompute-granularity selective")
+
+
+def _check_uniform_recompute_groups(args: argparse.Namespace, plan: Plan) -> None:
+    """megatron-core's uniform method checkpoints groups of recompute_num_layers layers and
+    indexes past the end when a (virtual) stage's layers are not a whole number of groups."""
+    for index, stage in enumerate(plan.stages):
+        fields = recompute_fields(args, plan, index)
+        if fields.get("recompute_method") != "uniform":
+            continue
+        group = fields["recompute_num_layers"]
+        chunks = stage.virtual_stages or [stage.num_layers]
+        if any(n % group for n in chunks):
+            source = "the plan's stages[%d].recompute" % index if stage.recompute else "--recompute-num-layers"
+            raise HeteroError(
+                f"{source}: uniform recomputation in groups of {group} layers, but stage {index} "
+                f"holds {'+'.join(map(str, chunks))} layers (megatron-core needs whole groups); "
+                "use a group size that divides every stage's layers (1 always does), the block "
+                "method, or a per-stage recompute in the plan (version 2)")
 
 
 def _check_sequence_parallel(args: argparse.Namespace, plan: Plan) -> None:
@@ -265,7 +285,10 @@ def transformer_fields(args: argparse.Namespace, plan: Plan, pp_rank: int, trans
         "virtual_pipeline_model_parallel_size": plan.virtual_pipeline_size,
         "overlap_p2p_comm": args.overlap_p2p_comm and plan.virtual_pipeline_size is not None,
         "batch_p2p_comm": not (args.overlap_p2p_comm and plan.virtual_pipeline_size is not None),
-        "deallocate_pipeline_outputs": True,
+        # Megatron-LM frees each sent activation's storage right after posting the send. With
+        # NCCL the stream keeps it valid; gloo's sends run on their own threads and would read
+        # the freed (replaced) storage when the interleaved schedule overlaps them.
+        "deallocate_pipeline_outputs": torch.cuda.is_available(),
         "cross_entropy_loss_fusion": args.cross_entropy_loss_fusion,
         "cross_entropy_fusion_impl": args.cross_entropy_fusion_impl,
         "attention_backend": AttnBackend[args.attention_backend],
