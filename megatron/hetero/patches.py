@@ -44,6 +44,25 @@ def _apply_cpu_device() -> object:
     return enable_cpu_device()
 
 
+def _apply_cpu_device_in_backward() -> object:
+    from torch.autograd.function import BackwardCFunction
+    from torch.overrides import _get_current_function_mode_stack
+
+    from megatron.hetero import cpu_device
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        mode = cpu_device.active_mode()
+        if mode is None or mode in _get_current_function_mode_stack():
+            return original(self, *args)
+        with mode:
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply
+    return apply
+
+
 def _torch_adam_fallback() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
@@ -168,6 +187,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_cpu_device,
+    ),
+    Patch(
+        name="cuda-as-cpu-in-backward",
+        why=(
+            "the autograd engine runs custom backward functions without the caller's torch "
+            "function modes, so megatron-core's backward passes that allocate on "
+            "torch.cuda.current_device() (sequence parallelism's reduce-scatter, recomputation's "
+            "re-run forward) escaped the cuda-as-cpu mapping; it is entered again around them"
+        ),
+        needed=_no_gpu,
+        apply=_apply_cpu_device_in_backward,
     ),
     Patch(
         name="distributed-optimizer-load-without-apex",
