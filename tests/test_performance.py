@@ -163,10 +163,12 @@ def test_per_stage_recomputation_one_stage_only(tmp_path, gpt_reference):
     plan = _plan_v2([{"num_layers": 3, "recompute": {"granularity": "full", "method": "block", "num_layers": 2}},
                      {"num_layers": 1, "recompute": "none"}],
                     tp=1, pp=2, dp=2, replicas=[5, 3], rank_order=[2, 0, 3, 1])
-    result = run_pretrain(GPT_MODEL + TRAINING + ["--recompute-activations"], nproc=4, plan=plan,
-                          tmp_path=tmp_path)
+    # Also megatron-core's fused cross entropy (torch.compile'd on the CPU).
+    result = run_pretrain(GPT_MODEL + TRAINING + ["--recompute-activations", "--cross-entropy-loss-fusion"],
+                          nproc=4, plan=plan, tmp_path=tmp_path)
     assert_same_training(gpt_reference, result)
     assert "stage 0: full, block, 2 layer(s), stage 1: none" in result.stdout
+    assert "; cross-entropy loss fusion" in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,10 @@ def test_interleaved_uneven_virtual_stages_unequal_replicas(tmp_path, gpt6_refer
     # Model order 3 | 1 | 1 | 1: rank 0 holds virtual stages 0 and 2, rank 1 stages 1 and 3.
     plan = _plan_v2([{"num_layers": 4, "virtual_stages": [3, 1]}, {"num_layers": 2, "virtual_stages": [1, 1]}],
                     tp=1, pp=2, dp=2, replicas=[6, 2], rank_order=[2, 0, 3, 1])
-    result = run_pretrain(GPT_6_LAYERS + TRAINING, nproc=4, plan=plan, tmp_path=tmp_path)
+    # With every chunk's reduction overlapped and the distributed optimizer's gather too.
+    flags = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--use-distributed-optimizer",
+             "--overlap-param-gather"]
+    result = run_pretrain(GPT_6_LAYERS + TRAINING + flags, nproc=4, plan=plan, tmp_path=tmp_path)
     assert_same_training(gpt6_reference, result)
     assert "interleaved 1F1B: 2 virtual stages per pipeline rank, layers per virtual stage 3 | 1 | 1 | 1" in result.stdout
 

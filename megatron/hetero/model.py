@@ -20,25 +20,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.hetero.performance import ddp_fields, transformer_fields
+from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
 from megatron.hetero.tracing import TRACE
 from megatron.hetero.weights import initialize_plan_independent
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def resolve_transformer_impl(args: argparse.Namespace) -> str:
     if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if transformer_engine_available() else "local"
-    elif args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+        args.transformer_impl = "transformer_engine" if transformer_engine_on_gpu() else "local"
+    elif args.transformer_impl == "transformer_engine" and not transformer_engine_on_gpu():
         raise HeteroError(
             "--transformer-impl transformer_engine needs transformer-engine and a GPU; "
             "install it, or use --transformer-impl local"
