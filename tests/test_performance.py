@@ -19,7 +19,12 @@ from conftest import (
 from hetero.errors import HeteroError, PlanError
 from hetero.plan import Plan
 from megatron.hetero.arguments import apply_plan, parse_args, validate_args
-from megatron.hetero.performance import configure_performance, megatron_fusions, recompute_fields
+from megatron.hetero.performance import (
+    configure_performance,
+    gpu_fusions,
+    megatron_fusions,
+    recompute_fields,
+)
 
 assert GPT_MODEL[:2] == ["--num-layers", "4"]
 GPT_6_LAYERS = ["--num-layers", "6"] + GPT_MODEL[2:]
@@ -122,6 +127,24 @@ def test_refused_performance_flags_name_the_reason(flags, fragment):
 def test_no_fused_kernels_on_the_cpu():
     args, _ = _configured(make_plan(tp=1, pp=1, dp=1, stages=[4], replicas=[8], rank_order=[0]))
     assert not any(megatron_fusions(args, "local").config_fields().values())
+
+
+def test_gpu_fusions_follow_megatron_lm():
+    args, _ = _configured(make_plan(tp=1, pp=1, dp=1, stages=[4], replicas=[8], rank_order=[0]))
+    everything = {"rope": True, "fused_weight_gradient_mlp_cuda": True, "apex": True}
+    fusions = gpu_fusions(args, "local", everything)
+    assert fusions.bias_activation_fusion and fusions.gradient_accumulation_fusion and fusions.persist_layer_norm
+    assert not fusions.apply_rope_fusion  # learned positions: no RoPE to fuse
+    llama = parse_args(GPT_MODEL + TRAINING + ["--swiglu", "--position-embedding-type", "rope",
+                                              "--disable-bias-linear", "--no-gradient-accumulation-fusion"])
+    fusions = gpu_fusions(llama, "transformer_engine", everything)
+    assert fusions.apply_rope_fusion and fusions.bias_activation_fusion  # SwiGLU fusion needs no bias
+    assert not fusions.gradient_accumulation_fusion
+    bare = gpu_fusions(llama, "local", {"rope": False, "fused_weight_gradient_mlp_cuda": False, "apex": False})
+    assert not bare.apply_rope_fusion and not bare.persist_layer_norm
+    assert "RoPE fusion needs transformer-engine" in bare.describe()
+    gelu_without_bias = parse_args(GPT_MODEL + TRAINING + ["--disable-bias-linear"])
+    assert not gpu_fusions(gelu_without_bias, "local", everything).bias_activation_fusion
 
 
 # ----- loss parity (4 processes) ---------------------------------------------------------

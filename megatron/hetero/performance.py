@@ -243,26 +243,37 @@ def _fused_rope_available() -> bool:
 
 
 def megatron_fusions(args: argparse.Namespace, transformer_impl: str) -> Fusions:
-    """Megatron-LM's defaults: every fusion on unless its --no-... flag is given, then turned
-    off by the same rules as validate_args (bias-GeLU without biases, RoPE fusion without
-    RoPE). On the CPU no fused kernel exists: all off."""
+    """The fused kernels this process runs: none on the CPU, Megatron-LM's on a GPU."""
     if not torch.cuda.is_available():
         return Fusions(False, False, False, False, False, False, ("no GPU: no fused kernels",))
+    available = {"rope": _fused_rope_available(),
+                 "fused_weight_gradient_mlp_cuda": _module_exists("fused_weight_gradient_mlp_cuda"),
+                 "apex": _module_exists("apex")}
+    return gpu_fusions(args, transformer_impl, available)
+
+
+def gpu_fusions(args: argparse.Namespace, transformer_impl: str, available: dict[str, bool]) -> Fusions:
+    """Megatron-LM's defaults on a GPU: every fusion on unless its --no-... flag is given,
+    then turned off by the same rules as its validate_args (bias-GeLU without biases, RoPE
+    fusion without RoPE). Where Megatron-LM would stop because the kernel's package is
+    missing (``available``: transformer-engine's fused RoPE, apex's wgrad kernel and fused
+    norm), the fusion is off and noted."""
     notes = []
     if args.swiglu:
         bias_activation = not args.no_bias_swiglu_fusion
     else:
         bias_activation = not args.no_bias_gelu_fusion and args.add_bias_linear
     rope = args.position_embedding_type == "rope" and not args.no_rope_fusion
-    if rope and not _fused_rope_available():
+    if rope and not available["rope"]:
         rope = False
         notes.append("RoPE fusion needs transformer-engine")
+    local = transformer_impl == "local"
     grad_accumulation = not args.no_gradient_accumulation_fusion
-    if grad_accumulation and transformer_impl == "local" and not _module_exists("fused_weight_gradient_mlp_cuda"):
+    if grad_accumulation and local and not available["fused_weight_gradient_mlp_cuda"]:
         grad_accumulation = False
         notes.append("gradient-accumulation fusion needs apex's fused_weight_gradient_mlp_cuda")
     persist = not args.no_persist_layer_norm
-    if persist and transformer_impl == "local" and not _module_exists("apex"):
+    if persist and local and not available["apex"]:
         persist = False
         notes.append("persistent layer norm needs apex")
     return Fusions(
