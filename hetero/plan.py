@@ -15,7 +15,9 @@ Version 2 adds two optional per-stage fields (a version 1 plan is a valid versio
   ``--recompute-*`` flags for it: ``"selective"``, ``"none"`` (keep every activation), or
   ``{"granularity": "full", "method": "uniform"|"block", "num_layers": N}`` /
   ``{"granularity": "selective", "modules": ["core_attn", ...]}``. A stage on a small
-  device recomputes while one on a large device keeps its activations.
+  device recomputes while one on a large device keeps its activations. With method
+  "uniform", num_layers must divide the stage's layers (each virtual stage's): megatron-core
+  checkpoints whole groups of that many layers.
 - ``stages[s].virtual_stages``: the interleaved (virtual-pipeline) schedule. Pipeline rank s
   holds len(virtual_stages) model chunks with these decoder-layer counts, in model order:
   chunk v of rank s is virtual stage ``v*pp + s`` of the model (megatron-core's order), so
@@ -33,7 +35,7 @@ What megatron-core 0.16.1's interleaved schedule requires, and the planner must 
   group with fewer than ``pipeline_parallel`` micro-batches (it would stall the pipeline);
   with the default group size the remainder must therefore be 0. Replicas may still run
   different counts (e.g. 6 and 2 with PP=2);
-- every virtual stage holds at least one decoder layer.
+- (this release, not megatron-core) every virtual stage holds at least one decoder layer.
 Megatron-LM additionally needs PP > 2 unless pipeline communication is overlapped
 (``--no-overlap-p2p-communication`` with PP=2 is refused at start-up, as Megatron-LM does).
 
@@ -171,6 +173,15 @@ class Plan(BaseModel):
                     break
                 hosts_seen.append(device.host)
         problems += self._virtual_stage_problems()
+        for index, stage in enumerate(self.stages):
+            entry = stage.recompute
+            if isinstance(entry, RecomputeEntry) and entry.method == "uniform":
+                chunks = stage.virtual_stages or [stage.num_layers]
+                if any(n % entry.num_layers for n in chunks):
+                    problems.append(
+                        f"stages[{index}].recompute: uniform groups of {entry.num_layers} layers do "
+                        f"not divide the stage's {'+'.join(map(str, chunks))} layers (megatron-core "
+                        "recomputes whole groups); use a divisor or the block method")
         if self.version < 2:
             uses = [f"stages[{i}].{name}" for i, stage in enumerate(self.stages)
                     for name in ("recompute", "virtual_stages") if getattr(stage, name) is not None]

@@ -93,6 +93,13 @@ def test_virtual_stages_from_flags_split_evenly_or_name_the_fix():
         _configured(plan, "--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication")
 
 
+def test_uniform_recomputation_needs_whole_groups_per_stage():
+    plan = _plan_v2([{"num_layers": 3, "recompute": {"granularity": "full", "method": "uniform", "num_layers": 2}},
+                     {"num_layers": 1}], tp=1, pp=2, dp=2, replicas=[5, 3], rank_order=[2, 0, 3, 1])
+    with pytest.raises(PlanError, match=r"stages\[0\].recompute: uniform groups of 2 layers"):
+        Plan.from_dict(plan)
+
+
 def test_per_stage_recomputation_overrides_the_flags():
     plan = _plan_v2([{"num_layers": 3, "recompute": "none"},
                      {"num_layers": 1, "recompute": {"granularity": "full", "method": "block", "num_layers": 1}}],
