@@ -1,4 +1,4 @@
-"""The plan file (plan.json, version 1): how one training job is laid out on a cluster.
+"""The plan file (plan.json, version 2): how one training job is laid out on a cluster.
 
 A plan fixes the parallel degrees, how many decoder layers each pipeline stage holds, how
 many micro-batches each data-parallel replica runs per iteration, and which launched
@@ -8,6 +8,36 @@ process plays which Megatron rank:
   pipeline): tensor rank t of replica d in stage s is logical rank ``t + tp*(d + dp*s)``.
 - ``rank_order[i]`` is the launch rank (torchrun's RANK) that runs logical rank i.
 - ``devices[r]`` says what launch rank r is (host, device type, vendor, NIC).
+
+Version 2 adds two optional per-stage fields (a version 1 plan is a valid version 2 plan):
+
+- ``stages[s].recompute``: this stage's activation recomputation, overriding the
+  ``--recompute-*`` flags for it: ``"selective"``, ``"none"`` (keep every activation), or
+  ``{"granularity": "full", "method": "uniform"|"block", "num_layers": N}`` /
+  ``{"granularity": "selective", "modules": ["core_attn", ...]}``. A stage on a small
+  device recomputes while one on a large device keeps its activations. With method
+  "uniform", num_layers must divide the stage's layers (each virtual stage's): megatron-core
+  checkpoints whole groups of that many layers.
+- ``stages[s].virtual_stages``: the interleaved (virtual-pipeline) schedule. Pipeline rank s
+  holds len(virtual_stages) model chunks with these decoder-layer counts, in model order:
+  chunk v of rank s is virtual stage ``v*pp + s`` of the model (megatron-core's order), so
+  ``[3, 2]`` on rank 0 and ``[2, 1]`` on rank 1 of a PP=2 plan builds the model as
+  3 | 2 | 2 | 1 layers. ``num_layers`` is their sum. Either every stage gives it, with the
+  same count of chunks (at least 2), or none does.
+
+What megatron-core 0.16.1's interleaved schedule requires, and the planner must respect
+(``forward_backward_pipelining_with_interleaving``; checked here with a clear error):
+
+- pipeline_parallel >= 2 (the interleaved schedule is the pipelined one);
+- every replica runs at least ``pipeline_parallel`` micro-batches, and a multiple of
+  ``pipeline_parallel``: the schedule runs micro-batches in groups of
+  ``microbatch_group_size_per_vp_stage`` (default: the pipeline size) and refuses a last
+  group with fewer than ``pipeline_parallel`` micro-batches (it would stall the pipeline);
+  with the default group size the remainder must therefore be 0. Replicas may still run
+  different counts (e.g. 6 and 2 with PP=2);
+- (this release, not megatron-core) every virtual stage holds at least one decoder layer.
+Megatron-LM additionally needs PP > 2 unless pipeline communication is overlapped
+(``--no-overlap-p2p-communication`` with PP=2 is refused at start-up, as Megatron-LM does).
 
 Fields this module does not know (predictions, provenance) are kept as they are.
 """
@@ -26,15 +56,57 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from hetero.errors import PlanError
 from hetero.validation import describe_validation_error
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class RecomputeEntry(BaseModel):
+    """One stage's activation recomputation (megatron-core's TransformerConfig fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    granularity: Literal["full", "selective"]
+    method: Literal["uniform", "block"] | None = None
+    num_layers: int | None = Field(default=None, ge=1)
+    modules: list[str] | None = Field(default=None, description="selective: what to recompute")
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> "RecomputeEntry":
+        if self.granularity == "full" and (self.method is None or self.num_layers is None):
+            raise ValueError('full recomputation needs "method" (uniform or block) and "num_layers"')
+        if self.granularity == "selective" and (self.method is not None or self.num_layers is not None):
+            raise ValueError('selective recomputation takes no "method" or "num_layers" (only "modules")')
+        return self
+
+
 class StageEntry(_Entry):
     num_layers: int = Field(ge=1, description="decoder layers this pipeline stage builds")
+    recompute: Literal["selective", "none"] | RecomputeEntry | None = Field(
+        default=None, description="version 2: this stage's recomputation, overriding the flags")
+    virtual_stages: list[int] | None = Field(
+        default=None, min_length=2,
+        description="version 2: decoder layers of each model chunk (virtual stage) of this rank")
+
+    def recompute_mode(self) -> Literal["none", "selective", "full"] | None:
+        """What the cost model needs of recompute_setting: the mode (None: the flags')."""
+        setting = self.recompute_setting()
+        if setting == "flags":
+            return None
+        return "none" if setting is None else setting.granularity
+
+    def recompute_setting(self) -> RecomputeEntry | None | Literal["flags"]:
+        """The stage's own setting: a RecomputeEntry, None (no recomputation), or "flags"."""
+        if self.recompute is None:
+            return "flags"
+        if self.recompute == "none":
+            return None
+        if self.recompute == "selective":
+            return RecomputeEntry(granularity="selective")
+        return self.recompute
 
 
 class ReplicaEntry(_Entry):
@@ -62,7 +134,7 @@ class Plan(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    version: Literal[1]
+    version: Literal[1, 2]
     tensor_parallel: int = Field(ge=1)
     pipeline_parallel: int = Field(ge=1)
     data_parallel: int = Field(ge=1)
@@ -107,9 +179,56 @@ class Plan(BaseModel):
                     )
                     break
                 hosts_seen.append(device.host)
+        problems += self._virtual_stage_problems()
+        for index, stage in enumerate(self.stages):
+            entry = stage.recompute
+            if isinstance(entry, RecomputeEntry) and entry.method == "uniform":
+                chunks = stage.virtual_stages or [stage.num_layers]
+                if any(n % entry.num_layers for n in chunks):
+                    problems.append(
+                        f"stages[{index}].recompute: uniform groups of {entry.num_layers} layers do "
+                        f"not divide the stage's {'+'.join(map(str, chunks))} layers (megatron-core "
+                        "recomputes whole groups); use a divisor or the block method")
+        if self.version < 2:
+            uses = [f"stages[{i}].{name}" for i, stage in enumerate(self.stages)
+                    for name in ("recompute", "virtual_stages") if getattr(stage, name) is not None]
+            if uses:
+                problems.append(f"{', '.join(uses)} need plan version 2; set \"version\": 2")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _virtual_stage_problems(self) -> list[str]:
+        """megatron-core 0.16.1's interleaved-schedule constraints (see the module docstring)."""
+        given = [stage.virtual_stages for stage in self.stages]
+        if all(v is None for v in given):
+            return []
+        if any(v is None for v in given) or len({len(v) for v in given}) != 1:
+            return ["virtual_stages must be given for every stage, with the same number of "
+                    "virtual stages on each (megatron-core gives every pipeline rank as many "
+                    f"model chunks); got {given}"]
+        problems = []
+        for index, stage in enumerate(self.stages):
+            if min(stage.virtual_stages) < 1:
+                problems.append(f"stages[{index}].virtual_stages {stage.virtual_stages}: every "
+                                "virtual stage needs at least one decoder layer")
+            if sum(stage.virtual_stages) != stage.num_layers:
+                problems.append(f"stages[{index}].virtual_stages {stage.virtual_stages} sum to "
+                                f"{sum(stage.virtual_stages)}, not num_layers {stage.num_layers}")
+        pp = self.pipeline_parallel
+        if pp < 2:
+            problems.append("virtual_stages need pipeline_parallel >= 2 (the interleaved schedule "
+                            "is a pipeline schedule)")
+            return problems
+        wrong = [f"replica {d}: {r.num_micro_batches}" for d, r in enumerate(self.replicas)
+                 if r.num_micro_batches < pp or r.num_micro_batches % pp]
+        if wrong:
+            problems.append(
+                f"the interleaved schedule runs micro-batches in groups of pipeline_parallel "
+                f"({pp}) and megatron-core 0.16.1 refuses a smaller last group: every replica's "
+                f"num_micro_batches must be a positive multiple of {pp} ({'; '.join(wrong)}); "
+                "move micro-batches between replicas or drop virtual_stages")
+        return problems
 
     # ----- loading and saving -------------------------------------------------------
 
@@ -118,10 +237,11 @@ class Plan(BaseModel):
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan is a JSON object, got {type(data).__name__}")
         version = data.get("version")
-        if version is not None and version != PLAN_VERSION:
+        if version is not None and version not in SUPPORTED_VERSIONS:
             raise PlanError(
                 f"{source}: plan version {version!r} is not supported by this release "
-                f"(it reads version {PLAN_VERSION}); regenerate the plan with hetero-plan"
+                f"(it reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); regenerate the "
+                "plan with hetero-plan"
             )
         try:
             return cls.model_validate(data)
@@ -244,10 +364,23 @@ class Plan(BaseModel):
                 "higher (--rampup-batch-size START ...)"
             )
         return counts
+    @property
+    def virtual_pipeline_size(self) -> int | None:
+        """Model chunks per pipeline rank (interleaved schedule), None without virtual stages."""
+        first = self.stages[0].virtual_stages
+        return len(first) if first else None
+
+    def virtual_stage_layers(self) -> list[int]:
+        """Decoder layers of every virtual stage in model order (the stages without them)."""
+        if self.virtual_pipeline_size is None:
+            return [stage.num_layers for stage in self.stages]
+        return [stage.virtual_stages[chunk] for chunk in range(self.virtual_pipeline_size)
+                for stage in self.stages]
 
     def pipeline_layout(self) -> list[list[str]]:
-        """The stage split in megatron-core's ``pipeline_model_parallel_layout`` form."""
-        layout = [["decoder"] * stage.num_layers for stage in self.stages]
+        """The split in megatron-core's ``pipeline_model_parallel_layout`` form: one entry per
+        (virtual) stage in model order, entry ``v*pp + s`` being chunk v of pipeline rank s."""
+        layout = [["decoder"] * n for n in self.virtual_stage_layers()]
         layout[0].insert(0, "embedding")
         layout[-1].append("loss")
         return layout
@@ -303,7 +436,9 @@ class Plan(BaseModel):
         )
 
     def summary(self) -> str:
-        stages = ",".join(str(s.num_layers) for s in self.stages)
+        stages = ",".join(
+            "+".join(map(str, s.virtual_stages)) if s.virtual_stages else str(s.num_layers)
+            for s in self.stages)
         replicas = ",".join(str(r.num_micro_batches) for r in self.replicas)
         return (
             f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel} "

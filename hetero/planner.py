@@ -53,6 +53,11 @@ from hetero.profiles import Profiles
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
 
+# The cost model's recompute modes as a plan's stage entry (megatron-core's settings): full
+# recomputation of every layer is Megatron's uniform method with groups of one layer.
+PLAN_RECOMPUTE = {"none": "none", "selective": "selective",
+                  "full": {"granularity": "full", "method": "uniform", "num_layers": 1}}
+
 
 @dataclass(frozen=True)
 class PlannerOptions:
@@ -535,7 +540,7 @@ class Planner:
         if candidate.recompute and any(mode != "none" for mode in candidate.recompute):
             data = plan.to_dict()
             for stage, mode in zip(data["stages"], candidate.recompute):
-                stage["recompute"] = mode
+                stage["recompute"] = PLAN_RECOMPUTE[mode]
             plan = Plan.from_dict(data)
         return plan
 
@@ -592,8 +597,7 @@ class Planner:
         trials = [(c, c.order) for c in shortlist]
         trials += [(c, o) for c in shortlist[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
         for candidate, order in trials:
-            plan = self.materialize(candidate, order)
-            for v in self._interleavings(plan):
+            for v, plan in self._interleavings(self.materialize(candidate, order)):
                 costs = self.costs_for(candidate.tensor_parallel, v)
                 prediction = predict(plan, self.cluster, costs)
                 if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
@@ -602,13 +606,25 @@ class Planner:
             raise HeteroError(self._why_nothing_fits())
         return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated, best[4])
 
-    def _interleavings(self, plan: Plan) -> list[int]:
-        """Virtual-stage counts Megatron can run this plan with: every stage's layers split
-        into v equal chunks, every replica with at least as many micro-batches as stages."""
-        pp = plan.pipeline_parallel
-        return [v for v in self.options.virtual_stages
-                if v == 1 or (pp > 1 and all(st.num_layers % v == 0 for st in plan.stages)
-                              and all(r.num_micro_batches >= pp for r in plan.replicas))]
+    def _interleavings(self, plan: Plan) -> list[tuple[int, Plan]]:
+        """The plan with each virtual-stage count megatron-core can run it with: every
+        stage's layers split into v equal chunks (stages[s].virtual_stages), kept only when
+        the plan's validation accepts it (its micro-batch counts against the pipeline)."""
+        found = []
+        for v in self.options.virtual_stages:
+            if v == 1:
+                found.append((1, plan))
+                continue
+            if plan.pipeline_parallel < 2 or any(st.num_layers % v for st in plan.stages):
+                continue
+            data = plan.to_dict()
+            for stage in data["stages"]:
+                stage["virtual_stages"] = [stage["num_layers"] // v] * v
+            try:
+                found.append((v, Plan.from_dict(data)))
+            except HeteroError:
+                continue
+        return found
 
     def _why_nothing_fits(self) -> str:
         largest = max(self.cluster.devices[c.device_type].memory_gib for c in self.classes)

@@ -106,7 +106,7 @@ def slots(plan: Plan, cluster: Cluster) -> list[list[StageSlot]]:
 
 def stage_recompute(plan: Plan, stage: int, costs: CostModel) -> str:
     """A stage's recomputation: its own entry's, else the job's."""
-    return getattr(plan.stages[stage], "recompute", None) or costs.setup.recompute
+    return plan.stages[stage].recompute_mode() or costs.setup.recompute
 
 
 def _crossings(cluster: Cluster, pairs: list[tuple[str, str]]) -> int:

@@ -19,7 +19,7 @@ from hetero.errors import HeteroError
 from hetero.model import ModelSpec, load_model
 from hetero.placement import place
 from hetero.plan import Plan
-from hetero.planner import Planner, PlannerOptions
+from hetero.planner import PLAN_RECOMPUTE, Planner, PlannerOptions
 from hetero.predictor import predict
 from hetero.schedule import StageTiming
 from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
@@ -65,7 +65,7 @@ def _random_plan(rng: random.Random, planner: Planner, num_layers: int, global_b
     if rng.random() < 0.3:  # some stages recompute
         data = plan.to_dict()
         for stage in data["stages"]:
-            stage["recompute"] = rng.choice(["none", "selective", "full"])
+            stage["recompute"] = PLAN_RECOMPUTE[rng.choice(["none", "selective", "full"])]
         plan = Plan.from_dict(data)
     return plan
 

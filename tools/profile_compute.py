@@ -63,7 +63,7 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> t
     layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
     # Wrapped for data parallelism as in training: backward also accumulates every
     # gradient into the reduction buffer, a per-micro-batch cost.
-    model = build_model(layered, plan, transformer_config(layered, plan))
+    model = build_model(layered, plan, transformer_config(layered, plan))[0]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.padded_vocab_size, (micro_batch_size, args.seq_length), generator=generator).to(device)

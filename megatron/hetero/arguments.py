@@ -291,6 +291,41 @@ def _add_hetero_args(parser: argparse.ArgumentParser) -> None:
                         "uniform plan (even stages, equal replicas, launch-order ranks)")
 
 
+def _add_performance_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's performance features, switched on in megatron-core (performance.py)."""
+    g = parser.add_argument_group("performance")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split layer norms, dropout and residuals along the sequence across TP")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="alias of --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="a plan's stages[s].recompute overrides this for stage s")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="selective recomputation: what to recompute (default core_attn)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="interleaved 1F1B; a plan's stages[s].virtual_stages gives uneven splits")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="needs --use-distributed-optimizer and --overlap-grad-reduce")
+    g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None)
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "local", "flash", "fused", "unfused"],
+                   help="auto: transformer-engine picks on GPUs; local on the CPU")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="needs transformer-engine and a GPU")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="needs transformer-engine and a GPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -300,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add in (_add_model_args, _add_training_args, _add_run_control_args, _add_data_args,
                 _add_logging_args, _add_checkpoint_args, _add_distributed_args, _add_moe_args,
-                _add_hetero_args):
+                _add_hetero_args, _add_performance_args):
         add(parser)
     flags.add_megatron_flags(parser)  # the rest of Megatron-LM's flags: no-op or refused
     return parser
@@ -376,6 +411,8 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
     check_precision_supported(args, plan)
     if training.get("distributed_optimizer"):
         args.use_distributed_optimizer = True  # the plan's memory assumes it
+    if training.get("sequence_parallel") and plan.tensor_parallel > 1:
+        args.sequence_parallel = True  # so do its activation memory and transfers
 
 
 def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:

@@ -162,6 +162,11 @@ def enable_cpu_device() -> list[str]:
     return [f"{owner.__name__}.{name}" for owner, name in replaced]
 
 
+def active_mode() -> CudaAsCpuMode | None:
+    """The installed mode (None before enable_cpu_device)."""
+    return _active_mode
+
+
 def return_freed_memory_to_os(threshold_bytes: int = 128 * 1024) -> bool:
     """Makes glibc map every allocation above threshold_bytes on its own, as it does at
     start-up, so that freeing a tensor gives its memory back to the system.

@@ -276,6 +276,9 @@ def initialize(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=plan.tensor_parallel,
         pipeline_model_parallel_size=plan.pipeline_parallel,
+        # Model chunks per pipeline rank of the interleaved schedule (None: plain 1F1B);
+        # get_forward_backward_func picks the schedule from it.
+        virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
     coords = plan.coords(logical_rank)

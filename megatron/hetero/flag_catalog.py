@@ -198,53 +198,37 @@ NOOPS: dict[str, str] = {
     "--no-async-tensor-model-parallel-allreduce": "deprecated in megatron-core and ignored",
     "--no-scatter-gather-tensors-in-pipeline": "read nowhere by Megatron-LM core_v0.16.1",
     "--enable-full-sharding-in-hsdp": "read nowhere by Megatron-LM core_v0.16.1",
-    "--no-overlap-p2p-communication": "Megatron-LM turns p2p overlap off without the "
-                                      "interleaved pipeline schedule, which Megatron-Hetero "
-                                      "does not run",
-    "--no-align-param-gather": "Megatron-LM turns aligned parameter all-gather off without the "
-                               "interleaved pipeline schedule, which Megatron-Hetero does not run",
     "--replication-jump": "Megatron-LM ignores it without --replication (not supported)",
     "--disable-msc": "Megatron-Hetero never uses the multi-storage client, which is what this "
                      "flag asks",
 }
 
-CONDITIONAL: dict[str, Conditional] = {
-    "--sequence-parallel": Conditional(
-        is_noop=lambda args: (None if args.tensor_model_parallel_size is None
-                              else args.tensor_model_parallel_size == 1),
-        noop_reason="Megatron-LM disables sequence parallelism at tensor-parallel size 1",
-        theme="parallelism",
-        condition="no-op at tensor-parallel size 1 (as in Megatron-LM), refused above it",
-    ),
-}
+# None left: --sequence-parallel, the one flag Megatron-LM ignores at tensor-parallel size 1,
+# is honoured (megatron/hetero/performance.py turns it off there, as Megatron-LM does).
+CONDITIONAL: dict[str, Conditional] = {}
 
 _THEME_FLAGS: dict[str, tuple[str, ...]] = {
     "recompute": (
-        "--recompute-activations", "--recompute-granularity", "--recompute-method",
-        "--recompute-num-layers", "--recompute-modules", "--distribute-saved-activations",
+        "--distribute-saved-activations",
         "--moe-layer-recompute",
     ),
     "overlap": (
-        "--overlap-grad-reduce", "--overlap-param-gather",
-        "--overlap-param-gather-with-optimizer-step", "--no-align-grad-reduce",
-        "--tp-comm-overlap", "--tp-comm-overlap-cfg", "--tp-comm-overlap-rs-dgrad",
+        "--overlap-param-gather-with-optimizer-step", "--tp-comm-overlap-cfg", "--tp-comm-overlap-rs-dgrad",
         "--no-tp-comm-bulk-wgrad", "--no-tp-comm-bulk-dgrad", "--no-tp-comm-overlap-ag",
         "--no-tp-comm-overlap-rs", "--no-tp-comm-split-ag", "--no-tp-comm-split-rs",
-        "--tp-comm-bootstrap-backend", "--ddp-bucket-size", "--ddp-num-buckets",
+        "--tp-comm-bootstrap-backend", "--ddp-num-buckets",
         "--ddp-pad-buckets-for-high-nccl-busbw", "--ddp-reduce-scatter-with-fp32-accumulation",
         "--ddp-average-in-collective", "--delay-wgrad-compute",
         "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit",
     ),
     "parallelism": (
-        "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
         "--microbatch-group-size-per-virtual-pipeline-stage",
         "--overlap-p2p-communication-warmup-flush", "--use-ring-exchange-p2p",
-        "--context-parallel-size", "--hierarchical-context-parallel-sizes", "--cp-comm-type",
+        "--hierarchical-context-parallel-sizes", "--cp-comm-type",
         "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank",
     ),
     "kernels": (
-        "--attention-backend", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
-        "--grad-reduce-in-bf16", "--no-gradient-reduce-div-fusion", "--disable-jit-fuser",
+        "--no-gradient-reduce-div-fusion", "--disable-jit-fuser",
     ),
     "low_precision": (
         "--fp8-format", "--fp8-recipe", "--fp8-quantizer-factory", "--fp8-margin",

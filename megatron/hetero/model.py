@@ -20,24 +20,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
 from megatron.hetero.tracing import TRACE
 from megatron.hetero.weights import initialize_plan_independent
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def resolve_transformer_impl(args: argparse.Namespace) -> str:
     if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if transformer_engine_available() else "local"
-    elif args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+        args.transformer_impl = "transformer_engine" if transformer_engine_on_gpu() else "local"
+    elif args.transformer_impl == "transformer_engine" and not transformer_engine_on_gpu():
         raise HeteroError(
             "--transformer-impl transformer_engine needs transformer-engine and a GPU; "
             "install it, or use --transformer-impl local"
@@ -81,15 +74,10 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
         # Replicas run different micro-batch counts; weighting by tokens keeps the update
         # equal to one homogeneous run over the same global batch.
         calculate_per_token_loss=True,
-        # Fused kernels need a GPU; the unfused paths compute the same thing. Kernels that
-        # need apex or transformer-engine builds (rope, persistent norm, fused wgrad) stay off.
-        bias_activation_fusion=on_gpu
-        and not (args.no_bias_swiglu_fusion if args.swiglu else args.no_bias_gelu_fusion),
-        masked_softmax_fusion=on_gpu and not args.no_masked_softmax_fusion,
-        bias_dropout_fusion=on_gpu and not args.no_bias_dropout_fusion,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # Sequence parallelism, this stage's recomputation, the virtual stages, Megatron-LM's
+        # default fusions where their kernels exist: megatron.hetero.performance.
+        **transformer_fields(args, plan, parallel_state.get_pipeline_model_parallel_rank(),
+                             resolve_transformer_impl(args)),
     )
 
 
@@ -139,22 +127,42 @@ def _layer_spec(args: argparse.Namespace):
 
 def build_model(
     args: argparse.Namespace, plan: Plan, config: TransformerConfig
-) -> DistributedDataParallel:
-    """This rank's stage, initialised independently of the plan, wrapped for DP."""
-    stage = gpt_stage(args, config)
-    initialize_plan_independent(stage, config, args.seed)
-    if torch.cuda.is_available():
-        stage.cuda(torch.cuda.current_device())
-    if args.fp16 or args.bf16:
-        stage = Float16Module(config, stage)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_grad_reduce=False,
-    )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=stage)
+) -> list[DistributedDataParallel]:
+    """This rank's model chunks (one per virtual stage, else one), initialised independently
+    of the plan, each wrapped for DP."""
+    ddp_config = DistributedDataParallelConfig(**ddp_fields(args, plan.data_parallel))
+    chunks = []
+    for vp_stage in range(plan.virtual_pipeline_size or 1):
+        stage = gpt_stage(args, config, vp_stage if plan.virtual_pipeline_size else None)
+        initialize_plan_independent(stage, config, args.seed)
+        if torch.cuda.is_available():
+            stage.cuda(torch.cuda.current_device())
+        if args.fp16 or args.bf16:
+            stage = Float16Module(config, stage)
+        # As Megatron-LM: chunks after the first reduce in one bucket each; their reduction
+        # overlaps the other chunks' backward anyway.
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=stage,
+                                              disable_bucketing=vp_stage > 0))
     config.finalize_model_grads_func = _traced_finalize_model_grads
-    return model
+    _set_schedule_sync_functions(args, config, chunks)
+    return chunks
+
+
+def _set_schedule_sync_functions(args: argparse.Namespace, config: TransformerConfig,
+                                 chunks: list[DistributedDataParallel]) -> None:
+    """What Megatron-LM's setup_model_and_optimizer hands the schedule for overlapped
+    reduction: the schedule holds back the DDP hooks (no_sync) until each replica's own
+    last micro-batch, then every bucket's reduction starts as its gradients are done."""
+
+    def per_chunk(functions: list):
+        return functions[0] if len(functions) == 1 else functions
+
+    if args.overlap_grad_reduce:
+        config.no_sync_func = per_chunk([chunk.no_sync for chunk in chunks])
+        if args.align_grad_reduce:
+            config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in chunks])
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = per_chunk([chunk.start_param_sync for chunk in chunks])
 
 
 def _traced_finalize_model_grads(*args, **kwargs):
@@ -164,21 +172,23 @@ def _traced_finalize_model_grads(*args, **kwargs):
         return finalize_model_grads(*args, **kwargs)
 
 
-def gpt_stage(args: argparse.Namespace, config: TransformerConfig) -> GPTModel:
-    """The GPT layers of this pipeline stage (first/last stage add embedding/output)."""
+def gpt_stage(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None = None) -> GPTModel:
+    """The GPT layers of this pipeline stage, or of its virtual stage vp_stage (the model's
+    first/last stage adds embedding/output)."""
     return GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(args),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
     )
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def count_parameters(model_chunks: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for chunk in model_chunks for p in chunk.parameters())

@@ -44,6 +44,25 @@ def _apply_cpu_device() -> object:
     return enable_cpu_device()
 
 
+def _apply_cpu_device_in_backward() -> object:
+    from torch.autograd.function import BackwardCFunction
+    from torch.overrides import _get_current_function_mode_stack
+
+    from megatron.hetero import cpu_device
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        mode = cpu_device.active_mode()
+        if mode is None or mode in _get_current_function_mode_stack():
+            return original(self, *args)
+        with mode:
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply
+    return apply
+
+
 def _torch_adam_fallback() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
@@ -184,6 +203,39 @@ def _apply_zero_centered_torch_norm() -> object:
     return new
 
 
+def _torch_norm_in_use() -> bool:
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return gpt_layer_specs.LNImpl is WrappedTorchNorm
+
+
+def _apply_sequence_parallel_torch_norm() -> object:
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        # A norm acts on each token alone, so a sequence shard is normalised as the whole
+        # would be; what sequence parallelism needs is that the weights' gradients (from
+        # each rank's shard) are summed over the tensor-parallel group, which
+        # finalize_model_grads does for parameters marked sequence_parallel (as apex's and
+        # transformer-engine's norms mark theirs).
+        unsharded = copy.copy(config)  # no __post_init__: only the flag differs
+        unsharded.sequence_parallel = False
+        norm = original(cls, unsharded, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", True)
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+    return __new__
+
+
 def _apply_schedule_trace() -> object:
     from megatron.hetero.tracing import wrap_schedule_functions
 
@@ -199,6 +251,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_cpu_device,
+    ),
+    Patch(
+        name="cuda-as-cpu-in-backward",
+        why=(
+            "the autograd engine runs custom backward functions without the caller's torch "
+            "function modes, so megatron-core's backward passes that allocate on "
+            "torch.cuda.current_device() (sequence parallelism's reduce-scatter, recomputation's "
+            "re-run forward) escaped the cuda-as-cpu mapping; it is entered again around them"
+        ),
+        needed=_no_gpu,
+        apply=_apply_cpu_device_in_backward,
     ),
     Patch(
         name="distributed-optimizer-load-without-apex",
@@ -256,6 +319,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_torch_norm_lacks_zero_centered_gamma,
         apply=_apply_zero_centered_torch_norm,
+    ),
+    Patch(
+        name="sequence-parallel-torch-norm",
+        why=(
+            "without apex/transformer-engine megatron-core's local layers use torch's norms, "
+            "whose wrapper refuses --sequence-parallel only because it does not mark its "
+            "weights for the tensor-parallel gradient sum; the norm is built as usual and its "
+            "weights marked sequence_parallel, as apex's FusedLayerNorm and TE's norms do"
+        ),
+        needed=_torch_norm_in_use,
+        apply=_apply_sequence_parallel_torch_norm,
     ),
     Patch(
         name="schedule-trace",

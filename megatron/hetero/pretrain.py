@@ -21,6 +21,7 @@ from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, 
 from megatron.hetero.batch_schedule import batch_schedule
 from megatron.hetero.distributed import Launch, read_launch, wait_for_peers_to_fail
 from megatron.hetero.log import error
+from megatron.hetero.performance import configure_performance
 
 
 def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | None]:
@@ -73,6 +74,7 @@ def configure(argv: Sequence[str], launch: Launch) -> tuple[argparse.Namespace, 
     apply_plan(args, plan)
     validate_args(args)
     check_plan_model(args, plan)
+    plan = configure_performance(args, plan)
     batch_schedule(args, plan)  # --train-samples -> iterations; every ramp step splits
     return args, plan, plan_source
 

@@ -8,6 +8,7 @@ so replicas of different size contribute exactly by the tokens they processed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import random
@@ -57,9 +58,16 @@ from megatron.hetero.log import (
     print_rank_last,
 )
 from megatron.hetero.metrics import MetricsWriter
-from megatron.hetero.model import build_model, count_parameters, model_spec, transformer_config
+from megatron.hetero.model import (
+    build_model,
+    count_parameters,
+    model_spec,
+    resolve_transformer_impl,
+    transformer_config,
+)
 from megatron.hetero.moe import MoEMetrics
 from megatron.hetero.patches import apply_patches
+from megatron.hetero.performance import startup_lines as performance_startup_lines
 from megatron.hetero.tracing import TRACE
 from megatron.hetero.watchdog import Watchdog
 
@@ -108,11 +116,45 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
+def chunk_data_iterators(data_iterator, num_chunks: int):
+    """The schedule's data: one iterator, or with virtual stages one per model chunk, where
+    only the chunk holding the model's first (embedding) or last (loss) layers reads."""
+    if num_chunks == 1:
+        return data_iterator
+    reading = 0 if parallel_state.is_pipeline_first_stage() else num_chunks - 1
+    return [data_iterator if chunk == reading else None for chunk in range(num_chunks)]
+
+
+def sync_params_now(model_chunks: list, args: argparse.Namespace) -> None:
+    """With --overlap-param-gather the updated weights arrive during the next forward;
+    reading them (norm, checkpoint) first waits for the gather (Megatron-LM's force_param_sync)."""
+    if args.overlap_param_gather:
+        for chunk in model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+@contextlib.contextmanager
+def gathered_params(model_chunks: list, args: argparse.Namespace):
+    """Evaluation without the forward pre-hooks that overlap the parameter gather, as
+    Megatron-LM's evaluate does (the weights are gathered first, the hooks come back after)."""
+    if not args.overlap_param_gather:
+        yield
+        return
+    for chunk in model_chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model_chunks:
+            chunk.enable_forward_pre_hook()
+
+
 # ----- optimizer --------------------------------------------------------------------------
 
 
 def build_optimizer(
-    args: argparse.Namespace, plan: Plan, model, params_dtype: torch.dtype, timers: Timers | None = None
+    args: argparse.Namespace, plan: Plan, model_chunks: list, params_dtype: torch.dtype,
+    timers: Timers | None = None
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -139,7 +181,7 @@ def build_optimizer(
             decoupled_min_lr=args.decoupled_min_lr,
             timers=timers,
         ),
-        [model],
+        model_chunks,
     )
     return optimizer, build_scheduler(args, plan, optimizer)
 
@@ -223,13 +265,14 @@ def empty_unused_memory() -> None:
 class Trainer:
     """One rank's share of the job: its stage, its replica's micro-batches."""
 
-    def __init__(self, args, plan: Plan, ctx: RankContext, model, optimizer, scheduler,
+    def __init__(self, args, plan: Plan, ctx: RankContext, model_chunks: list, optimizer, scheduler,
                  schedule: BatchSchedule, timers: Timers, metrics: MetricsWriter,
                  moe: MoEMetrics | None = None, start_time: float | None = None,
                  exit_requested: Callable[[], bool] | None = None):
         self.args, self.plan, self.ctx = args, plan, ctx
         self.exit_requested = exit_requested  # --exit-signal-handler: agreed by all ranks
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        self.model = model_chunks[0]  # checkpoints: one chunk (virtual stages are refused there)
         self.schedule, self.timers, self.metrics, self.moe = schedule, timers, metrics, moe
         self.spec = model_spec(args)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -250,8 +293,8 @@ class Trainer:
     def _run_schedule(self, data_iterator, num_micro_batches: int, forward_only: bool) -> dict[str, float]:
         losses = self.forward_backward(
             forward_step_func=forward_step,
-            data_iterator=data_iterator,
-            model=[self.model],
+            data_iterator=chunk_data_iterators(data_iterator, len(self.model_chunks)),
+            model=self.model_chunks,
             num_microbatches=num_micro_batches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.plan.micro_batch_size,
@@ -262,7 +305,8 @@ class Trainer:
     def train_step(self, data_iterator, global_batch_size: int):
         """One iteration over global_batch_size samples (this replica's share of them)."""
         args, timers = self.args, self.timers
-        self.model.zero_grad_buffer()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         num_micro_batches = self.schedule.micro_batches(global_batch_size)[self.dp_rank]
         # (megatron-core's schedule times itself as 'forward-backward')
@@ -285,15 +329,19 @@ class Trainer:
         args = self.args
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
-        self.model.eval()
         totals: dict[str, float] = {}
         num_micro_batches = self.plan.replicas[self.dp_rank].num_micro_batches
-        for _ in range(args.eval_iters):
-            for key, value in self._run_schedule(data_iterator, num_micro_batches, forward_only=True).items():
-                totals[key] = totals.get(key, 0.0) + value
-            if args.empty_unused_memory_level >= 1:
-                empty_unused_memory()
-        self.model.train()
+        with gathered_params(self.model_chunks, args):
+            for chunk in self.model_chunks:
+                chunk.eval()
+            for _ in range(args.eval_iters):
+                for key, value in self._run_schedule(data_iterator, num_micro_batches,
+                                                     forward_only=True).items():
+                    totals[key] = totals.get(key, 0.0) + value
+                if args.empty_unused_memory_level >= 1:
+                    empty_unused_memory()
+            for chunk in self.model_chunks:
+                chunk.train()
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
         return {k: v / args.eval_iters for k, v in totals.items()}
@@ -308,7 +356,8 @@ class Trainer:
     def _params_norm(self) -> float:
         """L2 norm of the whole model: each parameter counted once across TP and PP."""
         squares = torch.zeros(1, dtype=torch.float64)
-        for param in self.model.parameters():
+        sync_params_now(self.model_chunks, self.args)
+        for param in (p for chunk in self.model_chunks for p in chunk.parameters()):
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
                 squares += param.detach().double().pow(2).sum().cpu()
         torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
@@ -464,6 +513,7 @@ class Trainer:
                 "host": device.host, "device_type": device.device_type}
 
     def save(self, iteration: int) -> None:
+        sync_params_now(self.model_chunks, self.args)
         save_checkpoint(self.args.save, iteration, self.model, self.optimizer, self.scheduler,
                         self.args, self.plan)
 
@@ -497,6 +547,8 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
         print_rank_0(f"> {note}")
     for note in args.startup_notes:
         print_rank_0(f"WARNING: {note}")
+    for line in performance_startup_lines(args, plan, resolve_transformer_impl(args)):
+        print_rank_0(line)
     kernel_flags = used_kernel_tuning_flags(args)
     if kernel_flags and not torch.cuda.is_available():
         print_rank_0(f"> {', '.join(kernel_flags)}: no effect on the CPU (no fused kernels)")
@@ -568,14 +620,14 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     print_rank_0("building GPT model ...")
     config = transformer_config(args, plan)
     config.timers = timers  # megatron-core times its own steps at --timing-log-level 2
-    model = build_model(args, plan, config)
+    model_chunks = build_model(args, plan, config)
     if parallel_state.get_data_parallel_rank() == 0:
         print_all(
             " > number of parameters on (tensor, pipeline) model parallel rank "
             f"({parallel_state.get_tensor_model_parallel_rank()}, "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model)}"
+            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count_parameters(model_chunks)}"
         )
-    optimizer, scheduler = build_optimizer(args, plan, model, config.params_dtype, timers)
+    optimizer, scheduler = build_optimizer(args, plan, model_chunks, config.params_dtype, timers)
     config.grad_scale_func = optimizer.scale_loss
 
     print_rank_0("> building train, validation, and test datasets ...")
@@ -586,11 +638,11 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
 
     metrics = MetricsWriter(args)
     moe = MoEMetrics(args) if args.num_experts is not None else None
-    trainer = Trainer(args, plan, ctx, model, optimizer, scheduler, schedule, timers, metrics, moe,
-                      start_time, exit_requested)
+    trainer = Trainer(args, plan, ctx, model_chunks, optimizer, scheduler, schedule, timers, metrics,
+                      moe, start_time, exit_requested)
     start_iteration = 0
     if args.load:
-        start_iteration, _ = load_checkpoint(args.load, model, optimizer, scheduler, args)
+        start_iteration, _ = load_checkpoint(args.load, model_chunks[0], optimizer, scheduler, args)
     do_valid = args.eval_iters > 0 and valid_ds is not None
     # The data position follows from the iteration: iteration i reads the i-th global batch.
     valid_iterator = data.micro_batch_iterator(
