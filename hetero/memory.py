@@ -113,7 +113,7 @@ def rank_memory(
     largest_weight = costs.model.layer_params()
     if first or last:
         largest_weight = max(largest_weight, costs.model.vocab_size * costs.model.hidden_size)
-    transient = (costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute="none")
+    transient = (backward_working_set(costs, tensor_parallel, micro_batch_size, recompute)
                  + largest_weight / tensor_parallel * setup.value_bytes)
     return MemoryEstimate(
         weights=params * setup.value_bytes,
@@ -123,6 +123,23 @@ def rank_memory(
         transient=transient,
         overhead=FRAMEWORK_OVERHEAD_GIB.get(vendor, DEFAULT_OVERHEAD_GIB) * GIB,
     )
+
+
+def backward_working_set(costs: CostModel, tensor_parallel: int, micro_batch_size: int,
+                         recompute: str | None = None) -> float:
+    """What backward holds beyond the kept activations at the peak. Full recomputation
+    rebuilds one layer's activations at a time; otherwise the MLP's backward holds the
+    gradients of its two widest tensors (fc1's output and the activation's). Sequence
+    parallelism gathers each column-parallel GEMM's whole s x b x h input again in
+    backward, next to that input's gradient before its reduce-scatter."""
+    setup, model = costs.setup, costs.model
+    if (recompute or setup.recompute) == "full":
+        working = costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute="none")
+    else:
+        working = 2 * model.seq_length * micro_batch_size * model.ffn * setup.value_bytes / tensor_parallel
+    if setup.sequence_parallel and tensor_parallel > 1:
+        working += 2 * costs.activation_bytes(micro_batch_size)
+    return working
 
 
 def capacity_bytes(memory_gib: float) -> float:
