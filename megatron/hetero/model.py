@@ -119,6 +119,9 @@ def _moe_config(args: argparse.Namespace) -> dict:
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
+    # TODO(merge with the cost-model work): pass num_experts=args.num_experts and
+    # moe_router_topk=args.moe_router_topk once ModelSpec has them, so the logged TFLOP/s
+    # counts top-k experts for MoE runs.
     return ModelSpec(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
