@@ -26,10 +26,14 @@ LENGTH = {
     "--eval-interval": "2", "--eval-iters": "1", "--save-interval": "1000", "--num-workers": "0",
 }
 PARALLEL_DEGREES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                    "--expert-model-parallel-size")
+                    "--expert-model-parallel-size", "--context-parallel-size")
 GPU_ONLY = {("--transformer-impl", "transformer_engine"): ["--transformer-impl", "local"],
             ("--distributed-backend", "nccl"): ["--distributed-backend", "gloo"],
-            ("--bf16", None): [], ("--fp16", None): [], ("--moe-grouped-gemm", None): []}
+            ("--bf16", None): [], ("--fp16", None): [], ("--grad-reduce-in-bf16", None): [],
+            ("--moe-grouped-gemm", None): [],
+            **{("--attention-backend", te): ["--attention-backend", "local"]
+               for te in ("flash", "fused", "unfused")}}
+GPU_ONLY_PREFIXES = ("--fp8-",)  # FP8 needs transformer-engine on Hopper-class GPUs
 PLAN = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1])
 
 
@@ -62,14 +66,13 @@ def scale_down(path: Path, workdir: Path) -> list[str]:
     """The recipe's flags under the documented scale-down rule (tests/recipes/README.md)."""
     flags, header = read_recipe(path)
     known = {s for action in build_parser()._actions for s in action.option_strings}
-    dropped = set(header.get("drop-until-issue-11", []))
-    dropped |= {f for f in header.get("drop-unless-known", []) if f not in known}
+    dropped = {f for f in header.get("drop-unless-known", []) if f not in known}
     files = _tokenizer_files(dict(flags), workdir)
     paths = {"--save": workdir / "ckpt", "--load": workdir / "ckpt",
              "--tensorboard-dir": workdir / "tb", "--data-cache-path": workdir / "cache"}
     out: list[str] = []
     for flag, value in flags:
-        if flag in dropped or flag in PARALLEL_DEGREES:
+        if flag in dropped or flag in PARALLEL_DEGREES or flag.startswith(GPU_ONLY_PREFIXES):
             continue
         if (flag, value) in GPU_ONLY:
             out += GPU_ONLY[(flag, value)]

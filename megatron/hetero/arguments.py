@@ -513,6 +513,10 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         raise HeteroError(
             f"{', '.join(mixed)} with --train-{unit}: Megatron-LM counts every schedule in one "
             f"unit; use --lr-*-{unit} with --train-{unit}")
+    if by_samples and args.lr_decay_samples is None:  # Megatron-LM's defaults
+        args.lr_decay_samples = args.train_samples
+    if not by_samples and args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
     warmup = args.lr_warmup_samples if by_samples else args.lr_warmup_iters
     if args.lr_warmup_fraction is not None and warmup:
         raise HeteroError(f"give only one of --lr-warmup-fraction and --lr-warmup-{unit}")

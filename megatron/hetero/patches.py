@@ -236,6 +236,19 @@ def _apply_sequence_parallel_torch_norm() -> object:
     return __new__
 
 
+def _apply_eager_cross_entropy_fusion() -> object:
+    from megatron.core.fusions import fused_cross_entropy
+
+    restored = []
+    for name in dir(fused_cross_entropy):
+        compiled = getattr(fused_cross_entropy, name)
+        original = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if original is not None:
+            setattr(fused_cross_entropy, name, original)
+            restored.append(name)
+    return restored
+
+
 def _apply_schedule_trace() -> object:
     from megatron.hetero.tracing import wrap_schedule_functions
 
@@ -330,6 +343,16 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_torch_norm_in_use,
         apply=_apply_sequence_parallel_torch_norm,
+    ),
+    Patch(
+        name="eager-cross-entropy-fusion",
+        why=(
+            "only without a GPU: --cross-entropy-loss-fusion's helpers are torch.compile'd at "
+            "import, and compiling them to C++ takes ~2 minutes of the first iteration on 2 "
+            "cores for no kernel a CPU lacks; they run eagerly (the same arithmetic)"
+        ),
+        needed=_no_gpu,
+        apply=_apply_eager_cross_entropy_fusion,
     ),
     Patch(
         name="schedule-trace",

@@ -216,7 +216,10 @@ def build_scheduler(args: argparse.Namespace, plan: Plan, optimizer) -> Optimize
         end_wd=args.end_weight_decay,
         wd_incr_style=args.weight_decay_incr_style,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        # With --use-checkpoint-opt_param-scheduler Megatron-LM resumes the checkpoint's
+        # schedule; without it, it stops on an assertion when the flags' schedule differs.
+        # Here the checkpoint's schedule is resumed in both cases (no traceback).
+        use_checkpoint_opt_param_scheduler=True,
         **scheduler_steps(args, plan.global_batch_size),
     )
 
