@@ -163,7 +163,8 @@ def check_splits_can_serve(args: argparse.Namespace) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
-    needed = num_samples_per_split(args)
+    # Only whether a split serves any sample matters here, so the ramp can be ignored.
+    needed = num_samples_per_split(args, args.train_iters * args.global_batch_size)
     sample_tokens = args.seq_length + 1
     prefixes, _ = get_blend_from_list(args.data_path)
     for prefix in prefixes:
