@@ -50,6 +50,8 @@ def test_predicted_peak_memory_per_stage(tmp_path, distributed_optimizer):
         if report.slot.replica == 0:
             stage, predicted = report.slot.stage, report.memory.total
             error = predicted / measured[stage] - 1
+            print(f"stage {stage}: predicted {predicted / 2**20:.0f} MB, measured "
+                  f"{measured[stage] / 2**20:.0f} MB ({error:+.1%})")
             assert abs(error) <= TOLERANCE, (
                 f"stage {stage}: predicted {predicted / 2**20:.0f} MB, measured "
                 f"{measured[stage] / 2**20:.0f} MB ({error:+.1%})")
