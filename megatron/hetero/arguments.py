@@ -438,7 +438,7 @@ def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
-    flags.judge_after_plan(args)  # --sequence-parallel: a no-op only at tensor-parallel size 1
+    flags.judge_after_plan(args)  # conditional no-ops the plan decides (none catalogued today)
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "global_batch_size", "lr")
     _validate_schedule(args)
