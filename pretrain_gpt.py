@@ -17,8 +17,13 @@ multi-node plan.
 if __name__ == "__main__":
     # Imports stay under the guard: helper processes that multiprocessing spawns (the
     # checkpoint writer's) re-import this file and need none of it.
+    import gc
     import sys
 
     from megatron.hetero.pretrain import main
 
-    sys.exit(main(sys.argv[1:]))
+    exit_code = main(sys.argv[1:])
+    # The interpreter's exit would otherwise walk every object torch and megatron-core
+    # made in search of cycles: ~1.5 s of each process's 2-core life for nothing.
+    gc.freeze()
+    sys.exit(exit_code)

@@ -82,15 +82,17 @@ def run_pretrain(
     tmp_path: Path | None = None,
     env: dict | None = None,
     timeout: float = 600,
+    script: Path = REPO / "pretrain_gpt.py",
 ) -> RunResult:
-    """Runs pretrain_gpt.py: plain python for one process, torchrun for several."""
+    """Runs pretrain_gpt.py (or a script that runs it): plain python for one process,
+    torchrun for several."""
     args = list(args)
     if plan is not None:
         assert tmp_path is not None
         plan_path = tmp_path / f"plan_{len(list(tmp_path.glob('plan_*.json')))}.json"
         plan_path.write_text(json.dumps(plan))
         args += ["--hetero-plan", str(plan_path)]
-    script = str(REPO / "pretrain_gpt.py")
+    script = str(script)
     if nproc == 1:
         command = [sys.executable, script, *args]
     else:

@@ -289,6 +289,13 @@ def _add_hetero_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hetero-plan", default=None,
                    help="plan.json from hetero-plan; without it the job runs Megatron's "
                         "uniform plan (even stages, equal replicas, launch-order ranks)")
+    g.add_argument("--hetero-adapt", action="store_true",
+                   help="re-split the replicas' micro-batch counts while training when their "
+                        "measured times are unbalanced (same global batch, same samples), and "
+                        "write a corrected plan with a better layer split for the next restart")
+    g.add_argument("--hetero-adapt-output", default=None, metavar="PATH",
+                   help="where --hetero-adapt writes the corrected plan (default: "
+                        "adapted_plan.json in --save, else in the working directory)")
 
 
 def _add_performance_args(parser: argparse.ArgumentParser) -> None:
@@ -438,7 +445,6 @@ def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
-    flags.judge_after_plan(args)  # conditional no-ops the plan decides (none catalogued today)
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "global_batch_size", "lr")
     _validate_schedule(args)

@@ -5,8 +5,6 @@ arguments.py defines it; every other flag is listed here exactly once:
 
 - ``NOOPS`` (and ``noops()``): accepted, no effect, because Megatron-LM itself ignores it
   (deprecated, read nowhere, or overridden by its validate_args in every run we can make);
-- ``CONDITIONAL``: a no-op where Megatron-LM treats it as one (``--sequence-parallel`` at
-  tensor-parallel size 1), refused elsewhere;
 - a theme of ``THEMES``: refused by name, with what the feature is and what to do
   (``REASONS`` where one flag needs its own words).
 
@@ -17,9 +15,7 @@ flags.check_registry names any flag that is both honoured and listed here, or ne
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -32,19 +28,6 @@ class Theme:
 
     def reason(self) -> str:
         return f"{self.what}; {self.todo}"
-
-
-@dataclass(frozen=True)
-class Conditional:
-    """A flag that is a no-op only under a condition Megatron-LM's validate_args applies.
-
-    ``is_noop(args)`` answers True/False, or None while the deciding value is not known yet
-    (the plan fills the parallel sizes after parsing)."""
-
-    is_noop: Callable[[argparse.Namespace], bool | None]
-    noop_reason: str
-    theme: str
-    condition: str  # for --help and docs/flags.md
 
 
 
@@ -202,10 +185,6 @@ NOOPS: dict[str, str] = {
     "--disable-msc": "Megatron-Hetero never uses the multi-storage client, which is what this "
                      "flag asks",
 }
-
-# None left: --sequence-parallel, the one flag Megatron-LM ignores at tensor-parallel size 1,
-# is honoured (megatron/hetero/performance.py turns it off there, as Megatron-LM does).
-CONDITIONAL: dict[str, Conditional] = {}
 
 _THEME_FLAGS: dict[str, tuple[str, ...]] = {
     "recompute": (
@@ -427,7 +406,7 @@ def noops() -> dict[str, str]:
 def duplicate_entries() -> list[str]:
     """Flags listed more than once across themes and no-ops."""
     seen: dict[str, int] = {}
-    lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS, CONDITIONAL]
+    lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS]
     for flags in lists:
         for flag in flags:
             seen[flag] = seen.get(flag, 0) + 1

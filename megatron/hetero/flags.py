@@ -27,11 +27,10 @@ from typing import Any, Iterable, Sequence
 
 from hetero.errors import HeteroError
 from megatron.hetero import flag_catalog
-from megatron.hetero.flag_catalog import Conditional
 
 FACTS_FILE = Path(__file__).with_name("megatron_lm_flags.json")
 # Flags of ours that Megatron-LM does not have.
-HETERO_FLAGS = ("--hetero-plan", "--local_rank")
+HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--local_rank")
 _GIVEN = "megatron_flags_given"  # Namespace attribute the recording actions append to
 
 
@@ -72,7 +71,6 @@ class Ruling:
     status: Status
     reason: str = ""            # no-op: why it has no effect; refused: what it is, what to do
     theme: str | None = None    # key of flag_catalog.THEMES for refused flags
-    conditional: Conditional | None = None  # refused flags that are no-ops under a condition
 
     def message(self, option: str) -> str:
         return f"{option}: {self.reason}"
@@ -121,10 +119,6 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
             result[name] = Ruling(flag, Status.HONOURED)
         elif name in noops:
             result[name] = Ruling(flag, Status.NOOP, noops[name])
-        elif name in flag_catalog.CONDITIONAL:
-            conditional = flag_catalog.CONDITIONAL[name]
-            theme = flag_catalog.THEMES[conditional.theme]
-            result[name] = Ruling(flag, Status.REFUSED, theme.reason(), conditional.theme, conditional)
         else:
             theme = themes[name]
             reason = flag_catalog.REASONS.get(name) or flag_catalog.THEMES[theme].reason()
@@ -135,8 +129,7 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
 def check_registry(honoured: set[str]) -> None:
     """One status per flag: a flag both honoured and catalogued, or neither, is a bug."""
     flags = megatron_flags()
-    listed = (set(flag_catalog.theme_of_flags({})) | set(flag_catalog.noops())
-              | set(flag_catalog.CONDITIONAL))
+    listed = set(flag_catalog.theme_of_flags({})) | set(flag_catalog.noops())
     # Flags of other programs' groups are refused whole, unless arguments.py honours one.
     catalogued = listed | set(flag_catalog.theme_of_flags({f.name: f.group for f in flags}))
     problems = []
@@ -195,8 +188,6 @@ def _help(ruling: Ruling) -> str:
     """The flag's status; the reason only where it differs from its group's."""
     if ruling.status is Status.NOOP:
         text = f"no-op: {ruling.reason}"
-    elif ruling.conditional is not None:
-        text = ruling.conditional.condition
     elif ruling.reason == _group_heading(ruling.theme)[1]:
         text = "refused"
     else:
@@ -279,10 +270,6 @@ class Verdict:
 
     refused: list[str]       # messages, each naming its flag
     noops: list[str]         # messages for the start-up log
-    pending: list[tuple[str, Ruling]]  # conditional flags the plan decides
-
-
-_PENDING = "flags_awaiting_plan"  # Namespace attribute while the plan's sizes are unknown
 
 
 def _is_megatron_default(ruling: Ruling, value: Any) -> bool:
@@ -295,7 +282,7 @@ def _is_megatron_default(ruling: Ruling, value: Any) -> bool:
 
 
 def _rule(given: list[tuple[str, Ruling, Any]]) -> Verdict:
-    verdict = Verdict([], [], [])
+    verdict = Verdict([], [])
     seen = set()
     for option, ruling, value in given:
         if option in seen:
@@ -307,51 +294,20 @@ def _rule(given: list[tuple[str, Ruling, Any]]) -> Verdict:
             verdict.noops.append(f"{named}: Megatron-LM's default value; no effect")
         elif ruling.status is Status.NOOP:
             verdict.noops.append(f"{option}: no-op, {ruling.reason}")
-        elif ruling.conditional is not None:
-            verdict.pending.append((option, ruling))
         else:
             verdict.refused.append(ruling.message(option))
     return verdict
-
-
-def _settle(verdict: Verdict, args: argparse.Namespace, final: bool) -> None:
-    """Decides the conditional flags whose deciding values ``args`` now has (all of them
-    when ``final``: an undecidable one is refused)."""
-    still = []
-    for option, ruling in verdict.pending:
-        noop = ruling.conditional.is_noop(args)
-        if noop:
-            verdict.noops.append(f"{option}: no-op, {ruling.conditional.noop_reason}")
-        elif noop is None and not final:
-            still.append((option, ruling))
-        else:
-            verdict.refused.append(ruling.message(option))
-    verdict.pending = still
 
 
 def judge(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: Sequence[str]) -> None:
     """Rules on the flags ``parser.parse_known_args`` left: raises one HeteroError naming
     every refused and unknown flag; else sets ``args.noop_flags`` for the start-up log."""
     verdict = _rule(vars(args).pop(_GIVEN, []))
-    _settle(verdict, args, final=False)
     verdict.refused += refused_values(parser, args)
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown_lines = unknown_flag_messages(unknown, known) if unknown else []
     if verdict.refused or unknown_lines:
         raise refusal_error(verdict.refused, unknown_lines)
-    args.noop_flags = verdict.noops
-    if verdict.pending:
-        setattr(args, _PENDING, verdict)
-
-
-def judge_after_plan(args: argparse.Namespace) -> None:
-    """Rules on the flags whose status depends on the parallel sizes the plan filled in."""
-    verdict = vars(args).pop(_PENDING, None)
-    if verdict is None:
-        return
-    _settle(verdict, args, final=True)
-    if verdict.refused:
-        raise refusal_error(verdict.refused, [])
     args.noop_flags = verdict.noops
 
 
@@ -560,12 +516,16 @@ def markdown(parser: argparse.ArgumentParser) -> str:
         title, reason = _group_heading(key)
         lines += [f"### {title.removeprefix('refused: ')}", "", f"{reason}.", ""]
         for ruling in members:
-            own = ruling.conditional.condition if ruling.conditional else (
-                "" if ruling.reason == reason else ruling.reason)
+            own = "" if ruling.reason == reason else ruling.reason
             lines.append(f"- {_code(ruling.flag.option_strings)}" + (f": {own}" if own else ""))
         lines.append("")
     lines += ["## Megatron-Hetero's own flags", "",
               "- `--hetero-plan PLAN.json`: the heterogeneous plan (from `hetero-plan`); without "
               "it the job runs Megatron-LM's uniform plan.",
+              "- `--hetero-adapt`: re-splits the replicas' micro-batches while training when "
+              "their measured times are unbalanced (same global batch and sample order), and "
+              "writes a corrected plan with the layer split the measured stage times call for.",
+              "- `--hetero-adapt-output PATH`: where that plan goes (default: "
+              "`adapted_plan.json` in `--save`, else in the working directory).",
               "- `--local_rank`: the underscore spelling old launchers pass.", ""]
     return "\n".join(lines)

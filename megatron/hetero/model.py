@@ -21,7 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
-from megatron.hetero.tracing import TRACE
+from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.weights import initialize_plan_independent
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,8 +166,9 @@ def _set_schedule_sync_functions(args: argparse.Namespace, config: TransformerCo
 
 
 def _traced_finalize_model_grads(*args, **kwargs):
-    """megatron-core's gradient reduction across replicas (and tied embeddings), timed
-    when an iteration is traced."""
+    """megatron-core's gradient reduction across replicas (and tied embeddings), where the
+    busy time of the iteration ends (timed when an iteration is traced)."""
+    BUSY.reduction_starts()
     with TRACE.span("reduce"):
         return finalize_model_grads(*args, **kwargs)
 

@@ -14,7 +14,9 @@ What needs no patch, and why:
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -236,17 +238,49 @@ def _apply_sequence_parallel_torch_norm() -> object:
     return __new__
 
 
-def _apply_eager_cross_entropy_fusion() -> object:
-    from megatron.core.fusions import fused_cross_entropy
+def import_megatron_core() -> None:
+    """Imports megatron-core with its import-time torch.compile calls deferred.
 
-    restored = []
-    for name in dir(fused_cross_entropy):
-        compiled = getattr(fused_cross_entropy, name)
-        original = getattr(compiled, "_torchdynamo_orig_callable", None)
-        if original is not None:
-            setattr(fused_cross_entropy, name, original)
-            restored.append(name)
-    return restored
+    The import-time half of patch jit-fusions-compiled-on-first-call; megatron.hetero's
+    package import calls it, before anything of ours imports megatron-core.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    import torch
+
+    compile_now = torch.compile
+
+    def compile_on_first_call(model=None, **options):
+        if model is None:  # used as @torch.compile(...)
+            return functools.partial(compile_on_first_call, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = model if _no_gpu() else compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = compile_on_first_call
+    try:
+        import megatron.core  # noqa: F401  (its package import runs every jit_fuser decorator)
+        import megatron.core.jit  # noqa: F401
+    finally:
+        torch.compile = compile_now
+
+
+def _apply_jit_fusions_compiled_on_first_call() -> object:
+    import torch
+
+    import megatron.core.jit as jit
+
+    # Modules megatron-core imports later read jit_fuser at their import: they get the
+    # same treatment (eager without a GPU, torch.compile with one).
+    jit.jit_fuser = jit.noop_decorator if _no_gpu() else torch.compile
+    return jit.jit_fuser
 
 
 def _apply_schedule_trace() -> object:
@@ -345,22 +379,26 @@ PATCHES: tuple[Patch, ...] = (
         apply=_apply_sequence_parallel_torch_norm,
     ),
     Patch(
-        name="eager-cross-entropy-fusion",
+        name="jit-fusions-compiled-on-first-call",
         why=(
-            "only without a GPU: --cross-entropy-loss-fusion's helpers are torch.compile'd at "
-            "import, and compiling them to C++ takes ~2 minutes of the first iteration on 2 "
-            "cores for no kernel a CPU lacks; they run eagerly (the same arithmetic)"
+            "megatron-core's fused helpers (bias-GeLU/SwiGLU, RMSNorm, cross-entropy, ...) are "
+            "torch.compile'd by decorators run at import, which imports TorchDynamo and "
+            "Inductor into every process (~2 s and ~60 MB on 2 cores) before any of them runs. "
+            "Applied while megatron.hetero imports megatron-core: each is compiled at its first "
+            "call instead; without a GPU it runs eagerly (the same arithmetic: compiling it to "
+            "C++ took ~2 minutes of the first iteration on 2 cores for no kernel a CPU lacks)"
         ),
-        needed=_no_gpu,
-        apply=_apply_eager_cross_entropy_fusion,
+        needed=lambda: True,
+        apply=_apply_jit_fusions_compiled_on_first_call,
     ),
     Patch(
-        name="schedule-trace",
+        name="schedule-step-timing",
         why=(
-            "only with HETERO_TRACE_DIR set: times each forward and backward micro-batch step "
-            "of the pipeline schedule for the measured iteration timeline (tracing.py)"
+            "times each forward and backward micro-batch step of the pipeline schedule (two "
+            "clock reads a step): the measured iteration timeline (tracing.py) and the stage "
+            "times --hetero-adapt balances"
         ),
-        needed=lambda: bool(os.environ.get("HETERO_TRACE_DIR")),
+        needed=lambda: True,
         apply=_apply_schedule_trace,
     ),
 )

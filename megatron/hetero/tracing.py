@@ -1,8 +1,8 @@
-"""What one training iteration did on every rank, for the measured-vs-predicted timeline.
+"""What a training iteration did on every rank: its timeline, and how busy each rank was.
 
 With HETERO_TRACE_DIR set, iteration HETERO_TRACE_ITERATION (default 3, past warm-up) is
 recorded on every rank: each forward and backward of a micro-batch (megatron-core's
-schedule functions, wrapped by the "schedule-trace" patch), the gradient reduction and the
+schedule functions, wrapped by the "schedule-step-timing" patch), the gradient reduction and the
 optimizer step. Each rank writes trace-rank<logical rank>.json there:
 
     {"rank": 5, "tp_rank": 0, "pp_rank": 1, "dp_rank": 0, "host": "b0", "device_type": "...",
@@ -10,6 +10,10 @@ optimizer step. Each rank writes trace-rank<logical rank>.json there:
 
 Times are seconds from the iteration's start, taken right after a barrier; all ranks of an
 emulated cluster share one clock (CLOCK_MONOTONIC).
+
+``BUSY`` measures every training iteration on every rank, for ``--hetero-adapt``: the time
+from the schedule's start to the gradient reduction, and the forward and backward steps'
+total within it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,35 @@ class IterationTrace:
 TRACE = IterationTrace()
 
 
+class BusyClock:
+    def __init__(self) -> None:
+        self.started = self.compute = 0.0
+        self.reduction_at: float | None = None
+
+    def begin(self) -> None:
+        self.started, self.compute, self.reduction_at = time.perf_counter(), 0.0, None
+
+    def reduction_starts(self) -> None:
+        if self.reduction_at is None:
+            self.reduction_at = time.perf_counter()
+
+    @property
+    def busy(self) -> float:
+        """Seconds from begin() to the gradient reduction (where replicas wait for each other)."""
+        return (self.reduction_at or time.perf_counter()) - self.started
+
+
+BUSY = BusyClock()
+
+
+@contextmanager
+def _step(kind: str):
+    start = time.perf_counter()
+    with TRACE.span(kind, numbered=True):
+        yield
+    BUSY.compute += time.perf_counter() - start
+
+
 def wrap_schedule_functions() -> object:
     """Times every forward_step/backward_step call of megatron-core's schedules."""
     from megatron.core.pipeline_parallel import schedules
@@ -71,11 +104,11 @@ def wrap_schedule_functions() -> object:
     original_forward, original_backward = schedules.forward_step, schedules.backward_step
 
     def forward_step(*args, **kwargs):
-        with TRACE.span("F", numbered=True):
+        with _step("F"):
             return original_forward(*args, **kwargs)
 
     def backward_step(*args, **kwargs):
-        with TRACE.span("B", numbered=True):
+        with _step("B"):
             return original_backward(*args, **kwargs)
 
     schedules.forward_step, schedules.backward_step = forward_step, backward_step

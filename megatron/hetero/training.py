@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 from megatron.core.transformer.module import param_is_not_shared
-from megatron.hetero import data, distributed
+from megatron.hetero import adapt, data, distributed
 from megatron.core.timers import Timers
 from megatron.hetero.arguments import padded_vocab_size, used_kernel_tuning_flags
 from megatron.hetero.batch_schedule import BatchSchedule
@@ -68,7 +68,7 @@ from megatron.hetero.model import (
 from megatron.hetero.moe import MoEMetrics
 from megatron.hetero.patches import apply_patches
 from megatron.hetero.performance import startup_lines as performance_startup_lines
-from megatron.hetero.tracing import TRACE
+from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.watchdog import Watchdog
 
 
@@ -271,8 +271,10 @@ class Trainer:
     def __init__(self, args, plan: Plan, ctx: RankContext, model_chunks: list, optimizer, scheduler,
                  schedule: BatchSchedule, timers: Timers, metrics: MetricsWriter,
                  moe: MoEMetrics | None = None, start_time: float | None = None,
-                 exit_requested: Callable[[], bool] | None = None):
+                 exit_requested: Callable[[], bool] | None = None, adapter: adapt.Adapter | None = None):
         self.args, self.plan, self.ctx = args, plan, ctx
+        self.adapter = adapter  # --hetero-adapt: re-splits self.plan's replicas while training
+        self.eval_plan = plan  # evaluation keeps the split its data iterators were made with
         self.exit_requested = exit_requested  # --exit-signal-handler: agreed by all ranks
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         self.model = model_chunks[0]  # checkpoints: one chunk (virtual stages are refused there)
@@ -313,7 +315,9 @@ class Trainer:
         self.optimizer.zero_grad()
         num_micro_batches = self.schedule.micro_batches(global_batch_size)[self.dp_rank]
         # (megatron-core's schedule times itself as 'forward-backward')
+        BUSY.begin()
         losses = self._run_schedule(data_iterator, num_micro_batches, forward_only=False)
+        busy_seconds, compute_seconds = BUSY.busy, BUSY.compute
         if args.empty_unused_memory_level >= 1:
             empty_unused_memory()
         timers("optimizer", log_level=1).start(barrier=True)
@@ -324,6 +328,8 @@ class Trainer:
             self.scheduler.step(increment=global_batch_size)
         if args.empty_unused_memory_level >= 2:
             empty_unused_memory()
+        if self.adapter is not None:
+            self.adapter.record(busy_seconds, compute_seconds)
         return losses, grad_norm, not update_successful, num_zeros
 
     @torch.no_grad()
@@ -333,7 +339,7 @@ class Trainer:
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
         totals: dict[str, float] = {}
-        num_micro_batches = self.plan.replicas[self.dp_rank].num_micro_batches
+        num_micro_batches = self.eval_plan.replicas[self.dp_rank].num_micro_batches
         with gathered_params(self.model_chunks, args):
             for chunk in self.model_chunks:
                 chunk.eval()
@@ -428,9 +434,11 @@ class Trainer:
         torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
         return bool(done.item())
 
-    def train(self, start_iteration: int, train_iterator, valid_iterator, evaluate: bool) -> tuple[int, bool]:
+    def train(self, start_iteration: int, train_data: Callable[[int, BatchSchedule], Iterator | None],
+              valid_iterator, evaluate: bool) -> tuple[int, bool]:
         """Runs from start_iteration to --train-iters (or an exit condition); returns the
-        last iteration and whether a checkpoint of it was just saved."""
+        last iteration and whether a checkpoint of it was just saved. ``train_data(i, schedule)``
+        gives the training micro-batches from iteration i on."""
         args = self.args
         stats = _IntervalStats()
         reported_memory = False
@@ -441,6 +449,7 @@ class Trainer:
         print_rank_0("training ...")
         iteration = start_iteration
         consumed = self.schedule.consumed_samples(start_iteration)
+        train_iterator = train_data(start_iteration, self.schedule)
         while iteration < args.train_iters:
             tracing = TRACE.enabled and iteration + 1 == TRACE.iteration
             if tracing:
@@ -506,6 +515,11 @@ class Trainer:
                 break
             if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
                 gc.collect()
+            if self.adapter is not None and (adapted := self.adapter.maybe_resplit(iteration)):
+                # The sampler reads ahead: a new one starts at the next iteration's samples.
+                self.plan = adapted
+                self.schedule = BatchSchedule(adapted, args.rampup_batch_size)
+                train_iterator = train_data(iteration, self.schedule)
         return iteration, saved
 
     def _trace_facts(self) -> dict:
@@ -641,8 +655,12 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
 
     metrics = MetricsWriter(args)
     moe = MoEMetrics(args) if args.num_experts is not None else None
+    adapter = None
+    if args.hetero_adapt:
+        adapter = adapt.Adapter(plan, args.rampup_batch_size,
+                          args.hetero_adapt_output or adapt.default_output(args.save))
     trainer = Trainer(args, plan, ctx, model_chunks, optimizer, scheduler, schedule, timers, metrics,
-                      moe, start_time, exit_requested)
+                      moe, start_time, exit_requested, adapter)
     start_iteration = 0
     if args.load:
         start_iteration, _ = load_checkpoint(args.load, model_chunks[0], optimizer, scheduler, args)
@@ -656,11 +674,13 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     else:
         iteration, saved = trainer.train(
             start_iteration,
-            data.micro_batch_iterator(train_ds, plan, args.num_workers,
-                                      start_iteration=start_iteration, schedule=schedule),
+            lambda start, current: data.micro_batch_iterator(
+                train_ds, current.plan, args.num_workers, start_iteration=start, schedule=current),
             valid_iterator,
             do_valid,
         )
+        if adapter is not None:
+            adapter.write_corrected_plan()
         print_rank_0(f"[after training is done] iterations: {iteration}")
         exited_early = iteration < args.train_iters
     if args.save and not saved and iteration > start_iteration:
