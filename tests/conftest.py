@@ -1,4 +1,5 @@
-"""Helpers that launch real pretrain_gpt.py jobs (torchrun on 127.0.0.1, gloo) and read their logs."""
+"""Helpers that launch real pretrain_gpt.py jobs (gloo on 127.0.0.1; forked ranks or torchrun)
+and read their logs."""
 
 from __future__ import annotations
 
@@ -83,9 +84,11 @@ def run_pretrain(
     env: dict | None = None,
     timeout: float = 600,
     script: Path = REPO / "pretrain_gpt.py",
+    launcher: str = "fork",
 ) -> RunResult:
-    """Runs pretrain_gpt.py (or a script that runs it): plain python for one process,
-    torchrun for several."""
+    """Runs pretrain_gpt.py (or a script that runs it): plain python for one process; for
+    several, forks of one process that imported everything (tests/forkrun.py) or, with
+    launcher="torchrun" or another script, torchrun."""
     args = list(args)
     if plan is not None:
         assert tmp_path is not None
@@ -95,6 +98,9 @@ def run_pretrain(
     script = str(script)
     if nproc == 1:
         command = [sys.executable, script, *args]
+    elif launcher == "fork":
+        assert script == str(REPO / "pretrain_gpt.py"), "the fork launcher runs pretrain_gpt.py's main"
+        command = [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nproc), *args]
     else:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",

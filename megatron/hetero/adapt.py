@@ -97,9 +97,10 @@ class Adapter:
             self._skip -= 1
             return
         self.measurements.append(Measurement(times[0].tolist(), times[1].tolist()))
+        del self.measurements[:-self.window]
 
     def _median(self, field: str) -> list[float]:
-        rows = [getattr(m, field) for m in self.measurements[-self.window:]]
+        rows = [getattr(m, field) for m in self.measurements]
         return [statistics.median(column) for column in zip(*rows)]
 
     def replica_seconds(self) -> list[float]:
