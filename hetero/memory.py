@@ -29,10 +29,10 @@ from hetero.costs import CostModel
 
 GIB = 1024**3
 # CUDA/ROCm context, communicator buffers, library workspaces; a CPU process's interpreter,
-# torch, megatron-core and gloo (measured: 406 MB resident before any model memory, with
-# the tokenizer, TensorBoard and W&B packages installed: megatron-core imports every
-# tokenizer library it finds; 378 MB without them).
-FRAMEWORK_OVERHEAD_GIB = {"cpu": 0.40}
+# torch, megatron-core and gloo (measured: 311 MB resident once the runtime is imported,
+# before any model memory; megatron.hetero keeps TorchDynamo/Inductor and the tokenizer
+# libraries out unless a run uses them).
+FRAMEWORK_OVERHEAD_GIB = {"cpu": 0.30}
 DEFAULT_OVERHEAD_GIB = 2.0
 # A plan must leave this fraction of a device free for allocator fragmentation and spikes.
 MIN_HEADROOM = 0.05

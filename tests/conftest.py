@@ -3,11 +3,17 @@ and read their logs."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +82,52 @@ def make_plan(tp: int, pp: int, dp: int, stages, replicas, rank_order, devices=N
     }
 
 
+class JobServer:
+    """tests/forkrun.py --serve: forks training jobs from one process that imported the
+    runtime once (started at the first job of the session, stopped at its end)."""
+
+    def __init__(self) -> None:
+        self.path = os.path.join(tempfile.mkdtemp(prefix="forkrun."), "socket")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkrun.py"), "--serve",
+                                      self.path], cwd=REPO, env=env)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            assert self.proc.poll() is None, "tests/forkrun.py --serve did not start"
+            assert time.monotonic() < deadline, "tests/forkrun.py --serve did not start in 120 s"
+            time.sleep(0.05)
+        atexit.register(self.close)
+
+    def run(self, nproc: int, argv: list[str], env: dict, timeout: float) -> RunResult:
+        outputs = tempfile.mkdtemp(prefix="forkrun-job.")
+        request = {"nproc": nproc, "argv": argv, "env": env, "cwd": str(REPO),
+                   "stdout": os.path.join(outputs, "stdout"), "stderr": os.path.join(outputs, "stderr")}
+        with socket.socket(socket.AF_UNIX) as connection:
+            connection.connect(self.path)
+            connection.settimeout(timeout)
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            replies = connection.makefile()
+            leader = json.loads(replies.readline())["pid"]
+            try:
+                exit_code = json.loads(replies.readline())["exit"]
+            except (TimeoutError, socket.timeout):
+                os.killpg(leader, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(["forkrun", *argv], timeout) from None
+        read = {name: Path(request[name]).read_text(errors="replace") for name in ("stdout", "stderr")}
+        shutil.rmtree(outputs, ignore_errors=True)
+        return RunResult(exit_code, read["stdout"], read["stderr"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with socket.socket(socket.AF_UNIX) as connection:
+                connection.connect(self.path)
+                connection.sendall(b'{"stop": true}\n')
+            self.proc.wait(timeout=30)
+
+
+_job_server: JobServer | None = None
+
+
 def run_pretrain(
     args: list[str],
     nproc: int = 1,
@@ -86,29 +138,30 @@ def run_pretrain(
     script: Path = REPO / "pretrain_gpt.py",
     launcher: str = "fork",
 ) -> RunResult:
-    """Runs pretrain_gpt.py (or a script that runs it): plain python for one process; for
-    several, forks of one process that imported everything (tests/forkrun.py) or, with
-    launcher="torchrun" or another script, torchrun."""
+    """Runs pretrain_gpt.py: by default as a job forked from the suite's job server
+    (tests/forkrun.py); with launcher="torchrun" (or another script, which runs it) under
+    torchrun, or plain python for one process."""
+    global _job_server
     args = list(args)
     if plan is not None:
         assert tmp_path is not None
         plan_path = tmp_path / f"plan_{len(list(tmp_path.glob('plan_*.json')))}.json"
         plan_path.write_text(json.dumps(plan))
         args += ["--hetero-plan", str(plan_path)]
-    script = str(script)
-    if nproc == 1:
-        command = [sys.executable, script, *args]
-    elif launcher == "fork":
-        assert script == str(REPO / "pretrain_gpt.py"), "the fork launcher runs pretrain_gpt.py's main"
-        command = [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nproc), *args]
-    else:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", script, *args,
-        ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(variable, None)
+    if launcher == "fork" and script == REPO / "pretrain_gpt.py":
+        if _job_server is None:
+            _job_server = JobServer()
+        return _job_server.run(nproc, args, full_env, timeout)
+    if nproc == 1:
+        command = [sys.executable, str(script), *args]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(script), *args,
+        ]
     proc = subprocess.run(
         command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
     )

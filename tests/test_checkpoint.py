@@ -1,7 +1,7 @@
 """Checkpoints: exact resume, resume under another plan, atomic saves, a rank that dies.
 
-Every job is real: ranks on 127.0.0.1 (forked by tests/forkrun.py, or torchrun where a rank dies), gloo, megatron-core's distributed optimizer and
-distributed checkpoint format.
+Every job is real: ranks on 127.0.0.1 (forked by tests/forkrun.py, or torchrun where a rank
+dies), gloo, megatron-core's distributed optimizer and distributed checkpoint format.
 """
 
 import json

@@ -27,12 +27,20 @@ from pathlib import Path
 
 class IterationTrace:
     def __init__(self) -> None:
-        self.directory = os.environ.get("HETERO_TRACE_DIR")
-        self.iteration = int(os.environ.get("HETERO_TRACE_ITERATION", "3"))
         self.recording = False
         self.origin = 0.0
         self.spans: list[list] = []
         self._counts: dict[str, int] = {}
+
+    # Read when asked, not at import: a process forked from one that imported this module
+    # (the test suite's launcher) has its own environment.
+    @property
+    def directory(self) -> str | None:
+        return os.environ.get("HETERO_TRACE_DIR")
+
+    @property
+    def iteration(self) -> int:
+        return int(os.environ.get("HETERO_TRACE_ITERATION", "3"))
 
     @property
     def enabled(self) -> bool:

@@ -105,6 +105,10 @@ class Watchdog:
         """This rank ends normally: its exit is not a failure to its neighbours."""
         self.stop()
         self._mark("finished")
+        if self._wakeup is not None and threading.current_thread() is threading.main_thread():
+            # The socket goes with this object; a signal after it (a DataLoader worker's
+            # SIGCHLD at exit) must not be written to its closed descriptor.
+            signal.set_wakeup_fd(-1)
 
     def _mark(self, state: str) -> None:
         try:
