@@ -9,8 +9,8 @@
    --hetero-adapt: the adapted run must come within 5% of the best fixed split's
    throughput within those iterations, with the losses of the run without it (<= 1e-4).
 
-Throughput of a run: global batch x sequence length / the median iteration time past
-warm-up; for the adapted run, the median of its last 5 iterations.
+Throughput of a run: global batch x sequence length / the median time of its last 5
+iterations (past warm-up).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-hea
                "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"]
 SEQUENCE = 128
 WARMUP = 2
-SETTLED = 5  # the adapted run's throughput: the median of its last iterations
+SETTLED = 5  # a run's throughput: the median of its last iterations
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
                        r".*?lm loss: ([0-9.E+-]+)")
 RESPLIT = re.compile(r"hetero-adapt after iteration (\d+): .* -> \[([^]]*)\] \(slowest")
@@ -55,6 +55,11 @@ def split_plan(cluster: Cluster, counts: list[int]) -> Plan:
         "micro_batch_size": 1, "stages": [{"num_layers": 4}],
         "replicas": [{"num_micro_batches": m} for m in counts],
         "rank_order": list(range(len(counts))), "devices": devices})
+
+
+def settled(seconds: list[float]) -> list[float]:
+    """The iterations a run's throughput is taken from: its last ones, past warm-up."""
+    return seconds[max(WARMUP, len(seconds) - SETTLED):]
 
 
 def fast_slow_split(global_batch: int, slow: int, fast_replicas: int) -> list[int]:
@@ -118,8 +123,9 @@ def main() -> int:
     for slow in options.slow_counts:
         counts = fast_slow_split(batch, slow, replicas - 1)
         plan = split_plan(cluster, counts)
-        runs = [bench.tokens_per_s(plan, bench.run(f"fixed-{slow}-{r}", plan, options.fixed_iterations)
-                                   ["seconds"][WARMUP:]) for r in range(options.repeats)]
+        runs = [bench.tokens_per_s(plan, settled(bench.run(f"fixed-{slow}-{r}", plan,
+                                                           options.fixed_iterations)["seconds"]))
+                for r in range(options.repeats)]
         fixed[str(counts)] = {"tokens_per_s": statistics.median(runs), "runs": runs}
         log(f"fixed split {counts}: {statistics.median(runs):.0f} tokens/s (runs "
             f"{', '.join(f'{r:.0f}' for r in runs)})")
@@ -130,8 +136,8 @@ def main() -> int:
     adapted = bench.run("equal-adapted", equal, options.iterations,
                         ["--hetero-adapt", "--hetero-adapt-output", str(out / "adapted_plan.json")])
     seconds = adapted["seconds"]
-    adapted_rate = bench.tokens_per_s(equal, seconds[-SETTLED:])
-    plain_rate = bench.tokens_per_s(equal, plain["seconds"][WARMUP:])
+    adapted_rate = bench.tokens_per_s(equal, settled(seconds))
+    plain_rate = bench.tokens_per_s(equal, settled(plain["seconds"]))
     # The first iteration whose last three (median) ran within 5% of the best split.
     within = next((i + 1 for i in range(WARMUP + 2, len(seconds))
                    if bench.tokens_per_s(equal, seconds[i - 2:i + 1]) >= 0.95 * best["tokens_per_s"]),
