@@ -364,6 +364,7 @@ class Plan(BaseModel):
                 "higher (--rampup-batch-size START ...)"
             )
         return counts
+
     @property
     def virtual_pipeline_size(self) -> int | None:
         """Model chunks per pipeline rank (interleaved schedule), None without virtual stages."""
