@@ -45,12 +45,17 @@ def pipeline_time(seconds_per_micro_batch: float, micro_batches: int, stages: in
     return seconds_per_micro_batch * (micro_batches + stages - 1)
 
 
+def step_seconds(replica_seconds: float, micro_batches: int, stages: int) -> float:
+    """The inverse of pipeline_time: one stage step of a replica measured at its count."""
+    return replica_seconds / (micro_batches + stages - 1)
+
+
 def rebalanced_micro_batches(replica_seconds: list[float], counts: list[int], stages: int,
                              unit: int = 1) -> list[int]:
     """The split of sum(counts) micro-batches under which every replica would take the same
     time, given each replica's measured time for its current count (whole multiples of
     ``unit``, at least one unit each)."""
-    per_step = [t / (m + stages - 1) for t, m in zip(replica_seconds, counts)]
+    per_step = [step_seconds(t, m, stages) for t, m in zip(replica_seconds, counts)]
     # Equal times: (m_d + p - 1) * a_d = c for every d, with sum(m_d) = total.
     total = sum(counts)
     c = (total + len(counts) * (stages - 1)) / sum(1 / a for a in per_step)
@@ -128,7 +133,7 @@ class Adapter:
         stages = plan.pipeline_parallel
         unit = stages if plan.virtual_pipeline_size else 1  # interleaving needs multiples of pp
         proposed = rebalanced_micro_batches(seconds, counts, stages, unit)
-        per_step = [t / (m + stages - 1) for t, m in zip(seconds, counts)]
+        per_step = [step_seconds(t, m, stages) for t, m in zip(seconds, counts)]
         now = max(seconds)
         then = max(pipeline_time(a, m, stages) for a, m in zip(per_step, proposed))
         if proposed == counts or then > now * (1 - self.min_gain):
