@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from hetero.cluster import Cluster  # noqa: E402
 from hetero.plan import Plan  # noqa: E402
-from tools.emulator import EmulatedCluster, RankLayout  # noqa: E402
+from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
 
 MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
                "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "2047",
@@ -108,6 +108,7 @@ def main() -> int:
     parser.add_argument("--slow-counts", type=int, nargs="+", default=[3, 4, 5, 6])
     parser.add_argument("--repeats", type=int, default=2, help="runs of every fixed split")
     options = parser.parse_args()
+    stop_on_termination_signals()  # a killed bench still removes its emulated cluster
     missing = EmulatedCluster.missing_prerequisites()
     if missing:
         print("adapt bench skipped: " + "; ".join(missing), file=sys.stderr)

@@ -127,8 +127,9 @@ def main() -> int:
         worker(options.rounds, options.out)
         return 0
     from hetero.cluster import Cluster
-    from tools.emulator import EmulatedCluster, RankLayout
+    from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals
 
+    stop_on_termination_signals()  # a killed bench still removes its emulated cluster
     missing = EmulatedCluster.missing_prerequisites()
     if missing:
         print("comm bench skipped: " + "; ".join(missing), file=sys.stderr)

@@ -6,10 +6,11 @@
 1. Predictor accuracy: on two emulated clusters - compute heterogeneity (3 fast + 1 half-
    speed device) and mixed NICs (2 InfiniBand + 2 Ethernet nodes) - profile compute and
    links ON the emulated cluster, then run several plans and compare the measured
-   iteration time and peak memory with the prediction. Target: mean error <= 10%.
+   iteration time and peak memory with the prediction. Target: mean error <= 5%.
 2. Plan quality: on the compute cluster, the planner's plan vs the Megatron baseline,
-   run one after the other (target >= 1.3x), and vs the measured upper bound: each
-   device type trained alone on its share of the batch, throughputs summed (>= 90%).
+   run one after the other (target >= 1.5x), and vs the measured upper bound: each
+   device type trained alone on its share of the batch, throughputs summed (>= 95%);
+   and vs every alternative the bench runs there (at least as fast, within the spread).
 3. NIC awareness: on the NIC cluster, the planner's rank order vs the same plan in
    launch order.
 4. Shapes the first two do not reach (cpu_demo.yaml: two fast and two half-speed devices,
@@ -45,7 +46,7 @@ from hetero.planner import Planner, PlannerOptions, _distinct  # noqa: E402
 from hetero.predictor import Prediction, predict  # noqa: E402
 from hetero.profiles import Profiles  # noqa: E402
 from hetero.report import measured_timeline_png  # noqa: E402
-from tools.emulator import EmulatedCluster, RankLayout  # noqa: E402
+from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
 
 CLUSTERS = REPO / "examples" / "clusters"
 MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -58,16 +59,9 @@ WARMUP_ITERATIONS = 2
 
 
 def model_spec():
-    from megatron.hetero import data
-    from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
-    from megatron.hetero.model import model_spec as spec_of
+    from megatron.hetero.model import model_spec_of_flags
 
-    args = parse_args(MODEL_FLAGS + DATA_FLAGS + ["--micro-batch-size", "1", "--global-batch-size", "1",
-                                                  "--train-iters", "1", "--lr", "1"])
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
-    validate_args(args)
-    args.padded_vocab_size = padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
-    return spec_of(args)
+    return model_spec_of_flags(MODEL_FLAGS + DATA_FLAGS)
 
 
 class Bench:
@@ -112,15 +106,19 @@ class Bench:
         plan.save(path)
         argv = ["pretrain_gpt.py", "--hetero-plan", str(path), *MODEL_FLAGS, *DATA_FLAGS,
                 "--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
-                "--train-iters", str(self.iterations), "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0"]
+                "--train-iters", str(self.iterations), "--lr", "1e-4", "--log-interval", "1",
+                "--log-memory-interval", str(self.iterations), "--eval-iters", "0"]
         env = {"HETERO_TRACE_DIR": str(trace_dir), "HETERO_TRACE_ITERATION": str(self.iterations - 1)} if trace_dir else None
         runs, stage_memory, times = [], {}, []
         for repeat in range(self.repeats):
             output = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv,
                               f"training {name} (run {repeat + 1})", env)
             these = [float(t) / 1e3 for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", output)]
-            memory = {int(r): float(mb) * 2**20 for r, mb in
-                      re.findall(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| max rss: ([0-9.]+)", output)}
+            # The line after the last iteration: the peak of the whole run (the first
+            # iteration's line comes before the optimizer state exists).
+            memory = {int(r): float(mb) * 2**20 for r, after, mb in
+                      re.findall(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| max rss: ([0-9.]+)",
+                                 output) if int(after) == self.iterations}
             runs.append(statistics.median(these[WARMUP_ITERATIONS:]))
             times.append(these)
             for r, m in memory.items():  # the peak of a stage's ranks, medians over runs later
@@ -307,14 +305,20 @@ def report(results: dict) -> str:
               f"over {len(rows)} plans (target <= 5%).", ""]
     q = results["quality"]
     if q:
+        compute = [r for r in rows if r["cluster"] == "compute"]
+        planned = next(r for r in compute if r["plan"] == "planner")
+        slack = max(r["spread"] for r in compute)
+        faster = [r for r in compute if r["measured_s"] < planned["measured_s"] * (1 - slack)]
         lines += ["## Plan quality (compute cluster: 3 fast + 1 half-speed device)", "",
                   f"- planner ({q['planner_layout']}): {q['planner_tokens_per_s']:.0f} tokens/s",
                   f"- Megatron baseline ({q['baseline_layout']}): {q['baseline_tokens_per_s']:.0f} tokens/s",
-                  f"- speed-up {q['speedup']:.2f}x (target >= 1.3x)",
+                  f"- speed-up {q['speedup']:.2f}x (target >= 1.5x)",
                   "- upper bound (each type alone, summed): " + " + ".join(
                       f"{t} {v:.0f}" for t, v in q["alone_tokens_per_s"].items())
                   + f" = {q['upper_bound_tokens_per_s']:.0f} tokens/s; planner reaches "
-                    f"{q['fraction_of_upper_bound']:.1%} (target >= 90%)", ""]
+                    f"{q['fraction_of_upper_bound']:.1%} (target >= 95%)",
+                  f"- plans measured faster than the planner's beyond the largest spread ({slack:.1%}): "
+                  + (", ".join(f"{r['plan']} ({r['measured_s']:.3f} s)" for r in faster) or "none"), ""]
     n = results["nic"]
     if n:
         lines += ["## NIC awareness (2 InfiniBand + 2 Ethernet nodes, listed interleaved)", "",
@@ -337,6 +341,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of every plan (median, spread)")
     parser.add_argument("--plans", type=int, default=None, help="at most this many plans of the shapes scenario")
     options = parser.parse_args()
+    stop_on_termination_signals()  # a killed bench still removes its emulated cluster
     missing = EmulatedCluster.missing_prerequisites()
     if missing:
         print("emulated bench skipped: " + "; ".join(missing), file=sys.stderr)

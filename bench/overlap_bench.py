@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from hetero.cluster import Cluster  # noqa: E402
 from hetero.plan import DeviceEntry, Plan  # noqa: E402
-from tools.emulator import EmulatedCluster, RankLayout  # noqa: E402
+from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
 
 NODES = ("node-0", "node-1")  # InfiniBand and Ethernet: the replicas meet over Ethernet
 MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -117,6 +117,7 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=8, help="training iterations per run")
     parser.add_argument("--out", type=Path, default=None, help="directory for results.json")
     options = parser.parse_args()
+    stop_on_termination_signals()  # a killed bench still removes its emulated cluster
     missing = EmulatedCluster.missing_prerequisites()
     if missing:
         raise SystemExit("the emulated cluster needs: " + "; ".join(missing))

@@ -2,12 +2,21 @@
 // (hierarchy.hpp) and the staged whole-group operations run on the worker.
 #include "hetero_backend.hpp"
 
+#include <torch/version.h>
+
 #include <algorithm>
 
 #include "host_stager.hpp"
 
 namespace hetero {
 namespace {
+
+// torch 2.11 and older have no OpType of their own for it (GPU images often lag the pin).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
+constexpr auto kReduceScatterTensorCoalesced = c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else
+constexpr auto kReduceScatterTensorCoalesced = c10d::OpType::COALESCED;
+#endif
 
 using WorkPtr = HeteroBackend::WorkPtr;
 using Tensors = std::vector<at::Tensor>;
@@ -518,7 +527,7 @@ WorkPtr HeteroBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors
                 "reduce_scatter_tensor_coalesced needs inputs of group size x output elements");
   }
   const auto red = resolve(opts.reduceOp, inputs[0], "reduce_scatter_tensor_coalesced");
-  return submit(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, inputs, outputs,
+  return submit(kReduceScatterTensorCoalesced, inputs, outputs,
                 [this, inputs, outputs, red] {
                   for (size_t i = 0; i < inputs.size(); ++i) {
                     hierarchy_.reduceScatter(flatView(inputs[i]), flatView(outputs[i]), red.op,

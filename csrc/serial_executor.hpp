@@ -4,8 +4,12 @@
 // the inner backends see their operations in the same order on every rank (what gloo's
 // collective tags and NCCL's communicators require), whatever the caller's threads do.
 // The thread starts with the first task; the destructor runs what is queued, then joins.
-// Tasks must not throw.
+// Tasks must not throw. Tasks run with autograd off: communication writes tensors' memory
+// as the native libraries do, and a receive buffer is often a leaf that requires grad
+// (megatron-core's pipeline transfers), which autograd refuses to let copy_ write.
 #pragma once
+
+#include <c10/core/GradMode.h>
 
 #include <condition_variable>
 #include <deque>
@@ -45,6 +49,7 @@ class SerialExecutor {
 
  private:
   void loop() {
+    c10::AutoGradMode noGrad(false);
     for (;;) {
       std::function<void()> task;
       {

@@ -14,16 +14,19 @@ to its device count.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
+from typing import Iterator
 
 from hetero.cluster import Cluster
 from hetero.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.model import ModelSpec
-from hetero.plan import DeviceEntry, Plan
-from hetero.planner import Planner, PlannerOptions, setup_for
-from hetero.predictor import Prediction, predict
+from hetero.plan import DeviceEntry, Plan, logical_rank_at
+from hetero.planner import FLOOR_ROUNDING, Planner, PlannerOptions, setup_for
+from hetero.predictor import Prediction, fits_in_memory, predict
 from hetero.profiles import Profiles
+from hetero.schedule import StageTiming, stage_ends_1f1b
 
 
 @dataclass
@@ -56,38 +59,117 @@ def _launch_order_devices(cluster: Cluster) -> list[DeviceEntry]:
     ]
 
 
-def _best_uniform(cluster: Cluster, model: ModelSpec, global_batch_size: int,
-                  options: PlannerOptions, profiles: Profiles | None) -> tuple[Plan, Prediction] | None:
-    """The fastest uniform plan; like a Megatron user, it leaves the last devices out when
-    the degrees do not divide the device count or the batch, and recomputes activations
-    (job-wide, the cheapest mode that fits) when they do not fit."""
-    devices = _launch_order_devices(cluster)
-    best = None
+@dataclass(frozen=True)
+class _UniformLayout:
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    micro_batch_size: int
+
+
+def _uniform_layouts(cluster: Cluster, model: ModelSpec, global_batch_size: int,
+                     options: PlannerOptions) -> list[_UniformLayout]:
+    """The degrees a Megatron user can run: TP groups inside nodes, PP dividing the layers,
+    the most replicas that fit the devices and divide the batch."""
+    layouts = []
     for tp in options.tensor_parallel:
         if any(n.count % tp for n in cluster.nodes):
             continue  # Megatron's TP groups would straddle nodes
-        setup = setup_for(options, tp)
-        costs_by_mode = {mode: CostModel(cluster, model, dataclasses.replace(setup, recompute=mode), profiles)
-                         for mode in options.recompute_modes}
         for pp in range(1, model.num_layers + 1):
             if model.num_layers % pp:
                 continue
             for mbs in options.micro_batch_sizes:
-                dp = len(devices) // (tp * pp)
+                dp = cluster.num_devices // (tp * pp)
                 while dp > 0 and global_batch_size % (mbs * dp):
                     dp -= 1
-                if dp == 0:
-                    continue
-                plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
-                                    micro_batch_size=mbs, num_layers=model.num_layers,
-                                    global_batch_size=global_batch_size,
-                                    devices=devices[: tp * pp * dp])
-                for costs in costs_by_mode.values():
-                    prediction = predict(plan, cluster, costs)
-                    if prediction.fits:
-                        if best is None or prediction.iteration_time_s < best[1].iteration_time_s:
-                            best = (plan, prediction, costs.setup)
-                        break
+                if dp > 0:
+                    layouts.append(_UniformLayout(tp, pp, dp, mbs))
+    return layouts
+
+
+@dataclass
+class _ComputeOnly:
+    """A layout's first and last replica (when they differ) with compute alone, under the
+    cheapest recomputation: lower bounds of its predicted time (a schedule only gets longer
+    as any of its ops does; sends, gradient reduction and the optimizer add time)."""
+
+    replicas: list[tuple[StageTiming, ...]]
+    micro_batches: int
+
+    def busiest_stage(self) -> float:
+        """A floor: a stage runs every micro-batch's forward and backward one after the other."""
+        busiest = max(t.forward_s + t.backward_s for row in self.replicas for t in row)
+        return self.micro_batches * busiest * (1 - FLOOR_ROUNDING)
+
+    def schedule(self) -> float:
+        """A tighter floor (and a slower one to get): the 1F1B schedule itself."""
+        scheduled = max(max(stage_ends_1f1b(list(row), self.micro_batches)) for row in self.replicas)
+        return max(scheduled * (1 - FLOOR_ROUNDING), self.busiest_stage())
+
+
+def _compute_only(model: ModelSpec, global_batch_size: int, layout: _UniformLayout, devices: list[DeviceEntry],
+                  costs: list[CostModel]) -> _ComputeOnly:
+    """_ComputeOnly of a uniform plan of this layout on the launch-order devices; costs:
+    one cost model per recomputation mode."""
+    tp, pp, dp, mbs = layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel, layout.micro_batch_size
+    layers = model.num_layers // pp
+
+    def stage(device: DeviceEntry, last: bool) -> StageTiming:
+        layer = [c.layer_cost(device.device_type, device.host, tp, mbs, c.setup.recompute) for c in costs]
+        logits = costs[0].logits_times(device.device_type, tp, mbs) if last else (0.0, 0.0)
+        return StageTiming(layers * min(x.forward_s for x in layer) + logits[0],
+                           layers * min(x.backward_s for x in layer) + logits[1])
+
+    def replica(d: int) -> tuple[StageTiming, ...]:  # the uniform plan's rank_order is the identity
+        return tuple(stage(devices[logical_rank_at(0, d, s, tp, dp)], s == pp - 1) for s in range(pp))
+
+    return _ComputeOnly(list(dict.fromkeys([replica(0), replica(dp - 1)])), global_batch_size // (mbs * dp))
+
+
+def _in_floor_order(layouts: list[_ComputeOnly]) -> Iterator[tuple[float, int]]:
+    """(schedule floor, index) of every layout, lowest first (ties by index); a schedule is
+    simulated only once its busiest-stage floor, never higher, comes first."""
+    heap = [(layout.busiest_stage(), index, False) for index, layout in enumerate(layouts)]
+    heapq.heapify(heap)
+    while heap:
+        floor, index, scheduled = heapq.heappop(heap)
+        if scheduled:
+            yield floor, index
+        else:
+            heapq.heappush(heap, (layouts[index].schedule(), index, True))
+
+
+def _best_uniform(cluster: Cluster, model: ModelSpec, global_batch_size: int, options: PlannerOptions,
+                  profiles: Profiles | None) -> tuple[Plan, Prediction, TrainingSetup] | None:
+    """The fastest uniform plan; like a Megatron user, it leaves the last devices out when
+    the degrees do not divide the device count or the batch, and recomputes activations
+    (job-wide, the cheapest mode that fits) when they do not fit. Layouts are predicted from
+    the lowest floor of their time up, and only while a floor stays under the best time:
+    the others cannot win. Ties go to the first layout in (TP, PP, micro-batch) order."""
+    devices = _launch_order_devices(cluster)
+    layouts = _uniform_layouts(cluster, model, global_batch_size, options)
+    costs_by_tp = {tp: [CostModel(cluster, model, dataclasses.replace(setup_for(options, tp), recompute=mode),
+                                  profiles) for mode in options.recompute_modes]
+                   for tp in {layout.tensor_parallel for layout in layouts}}
+    compute_only = [_compute_only(model, global_batch_size, layout, devices, costs_by_tp[layout.tensor_parallel])
+                    for layout in layouts]
+    best, best_rank = None, None
+    for floor, index in _in_floor_order(compute_only):
+        if best is not None and floor > best[1].iteration_time_s:
+            break
+        layout = layouts[index]
+        world = layout.tensor_parallel * layout.pipeline_parallel * layout.data_parallel
+        plan = Plan.uniform(tensor_parallel=layout.tensor_parallel, pipeline_parallel=layout.pipeline_parallel,
+                            data_parallel=layout.data_parallel, micro_batch_size=layout.micro_batch_size,
+                            num_layers=model.num_layers, global_batch_size=global_batch_size,
+                            devices=devices[:world])
+        costs = next((c for c in costs_by_tp[layout.tensor_parallel] if fits_in_memory(plan, cluster, c)), None)
+        if costs is None:
+            continue
+        prediction = predict(plan, cluster, costs)
+        rank = (prediction.iteration_time_s, index)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = (plan, prediction, costs.setup), rank
     return best
 
 

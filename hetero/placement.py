@@ -159,14 +159,18 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int, micr
     slots = sorted(((d, s) for d in range(dp) for s in range(pp)), key=key)
     pools = {c: iter(classes[c].tp_groups(tp)) for c in {c for r in replica_classes for c in r}}
     where = {(d, s): next(pools[replica_classes[d][s]]) for d, s in slots}
-    used = {(host, first + t) for host, first in where.values() for t in range(tp)}
+    used: dict[str, set[int]] = {}  # local devices used on each host
+    for host, first in where.values():
+        used.setdefault(host, set()).update(range(first, first + tp))
     devices, launch_index = [], {}
     for node in cluster.nodes:  # launch order: node by node, local rank order
-        for local in range(node.count):
-            if (node.host, local) in used:
-                launch_index[(node.host, local)] = len(devices)
-                devices.append(DeviceEntry(host=node.host, device_type=node.device.name,
-                                           vendor=node.device.vendor, nic=node.nic.kind.name))
+        if node.host not in used:
+            continue
+        entry = DeviceEntry(host=node.host, device_type=node.device.name, vendor=node.device.vendor,
+                            nic=node.nic.kind.name)  # validated once per node, copied per device
+        for local in sorted(used[node.host]):
+            launch_index[(node.host, local)] = len(devices)
+            devices.append(entry.model_copy())
     rank_order = [0] * (tp * dp * pp)
     for (d, s), (host, first) in where.items():
         for t in range(tp):

@@ -19,20 +19,23 @@ For every tensor-parallel degree and micro-batch size each candidate gets a fast
 (per-stage times, memory caps, the min-max layer split, micro-batches by replica speed);
 the best of each family and overall are placed on concrete devices (for the first two
 families in two orders: a replica's stages side by side, or a stage's replicas side by
-side) and judged by the exact predictor. Deterministic for the same input.
+side) and judged by the exact predictor. A shape whose estimate provably cannot reach
+those (a lower bound from the same pieces: layer times, caps, transfers) is dropped before
+it is split. Deterministic for the same input.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
+from hetero.costs import CostModel, LayerCost, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.memory import layer_capacity, micro_batches_in_flight, stage_memory_terms, stage_params
 from hetero.model import ModelSpec
@@ -57,6 +60,9 @@ FAMILIES = ("cross-class", "class-pure", "launch-order")
 # recomputation of every layer is Megatron's uniform method with groups of one layer.
 PLAN_RECOMPUTE = {"none": "none", "selective": "selective",
                   "full": {"granularity": "full", "method": "uniform", "num_layers": 1}}
+# Relative slack taken off a lower bound before comparing it with estimates computed in
+# another order of floating-point operations.
+FLOOR_ROUNDING = 1e-9
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,23 @@ class Candidate:
     estimate_s: float
     recompute: list[str] | None = None
     """Recomputation of each stage (None: the setup's everywhere)."""
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """What a shape's estimate takes from its pipeline alone (Planner._fit_pipeline)."""
+
+    at_stage: tuple[tuple[int, ...], ...]
+    """Each stage's classes."""
+    counts: dict[tuple[int, ...], int]
+    """Replicas of each pattern."""
+    sends: dict[tuple[int, ...], list[float]]
+    times: dict[tuple[int, ...], list[float]]
+    """One layer's time on each stage, per pattern."""
+    caps: list[int]
+    modes: tuple[str, ...]
+    floor: float
+    """No split or micro-batch allocation makes the pipeline faster."""
 
 
 @dataclass
@@ -204,6 +227,9 @@ class Planner:
         self._class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
         self.estimated = 0
         self._cache: dict[tuple, object] = {}
+        self._layer_costs: dict[tuple, LayerCost] = {}
+        self._leaders: _Leaderboard | None = None
+        """While the search keeps only contenders: the shortlist so far."""
 
     def costs_for(self, tensor_parallel: int, virtual_stages: int = 1) -> CostModel:
         """The cost model of the setup a plan of this TP degree runs with."""
@@ -220,12 +246,21 @@ class Planner:
 
     # ----- per-class building blocks ------------------------------------------------------
 
-    def _layer_cost(self, c: int, tp: int, mbs: int, recompute: str | None = None):
-        cl = self.classes[c]
-        return self.costs_for(tp).layer_cost(cl.device_type, cl.hosts[0], tp, mbs, recompute)
+    def _layer_cost(self, c: int, tp: int, mbs: int, recompute: str | None = None) -> LayerCost:
+        key = (c, tp, mbs, recompute)
+        if key not in self._layer_costs:  # the search asks millions of times: one lookup
+            cl = self.classes[c]
+            self._layer_costs[key] = self.costs_for(tp).layer_cost(cl.device_type, cl.hosts[0], tp, mbs, recompute)
+        return self._layer_costs[key]
 
     def _layer_time(self, c: int, tp: int, mbs: int, recompute: str | None = None) -> float:
         return self._layer_cost(c, tp, mbs, recompute).total_s
+
+    def _stage_layer_times(self, pattern: tuple[int, ...], modes: tuple[str, ...], tp: int,
+                           mbs: int) -> list[float]:
+        """One layer's time on each stage of a replica whose stages are on classes `pattern`."""
+        return self._memo(("times", pattern, modes, tp, mbs), lambda: [
+            self._layer_time(c, tp, mbs, mode) for c, mode in zip(pattern, modes)])
 
     def _logits_time(self, c: int, tp: int, mbs: int) -> float:
         return self._memo(("logits", c, tp, mbs),
@@ -248,21 +283,22 @@ class Planner:
     def _stage_caps(self, c: int, tp: int, mbs: int, dp: int, stages: int, recompute: str) -> list[int]:
         """_layer_cap of every stage of a pipeline this deep: the memory model's bilinear
         terms per kind of stage (memory.stage_memory_terms), evaluated at each stage's
-        micro-batches in flight."""
+        micro-batches in flight. The memory model sees a class only through its vendor and
+        memory size: classes alike share the answer."""
+        vendor = self.classes[c].vendor
+        memory_gib = self.cluster.devices[self.classes[c].device_type].memory_gib
+
         def compute() -> list[int]:
-            cl = self.classes[c]
-            memory_gib = self.cluster.devices[cl.device_type].memory_gib
             total_mb = self.global_batch_size // mbs
             v = self.setup.virtual_stages
-            caps = []
-            for s in range(stages):
-                first, last = s == 0, s == stages - 1
-                terms = self._memo(("terms", c, tp, mbs, dp, recompute, first, last), lambda: stage_memory_terms(
-                    self.costs_for(tp), first=first, last=last, vendor=cl.vendor, tensor_parallel=tp,
-                    data_parallel=dp, micro_batch_size=mbs, recompute=recompute))
-                caps.append(terms.capacity(memory_gib, micro_batches_in_flight(s, stages, total_mb, v)))
-            return caps
-        return self._memo(("caps", c, tp, mbs, dp, stages, recompute), compute)
+            ends = [(s == 0, s == stages - 1) for s in range(stages)]
+            terms = {(first, last): self._memo(
+                ("terms", vendor, tp, mbs, dp, recompute, first, last), lambda: stage_memory_terms(
+                    self.costs_for(tp), first=first, last=last, vendor=vendor, tensor_parallel=tp,
+                    data_parallel=dp, micro_batch_size=mbs, recompute=recompute)) for first, last in set(ends)}
+            return [terms[end].capacity(memory_gib, micro_batches_in_flight(s, stages, total_mb, v))
+                    for s, end in enumerate(ends)]
+        return self._memo(("caps", vendor, memory_gib, tp, mbs, dp, stages, recompute), compute)
 
     def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
         """One activation across a pipeline boundary from class a to class b."""
@@ -276,12 +312,20 @@ class Planner:
                 self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], cb.hosts[0], tp, mbs, crossings)
         return self._cache[key]
 
+    def _classes_at_stages(self, patterns: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """Each stage's classes over replicas of these patterns."""
+        return self._memo(("at stages", patterns),
+                          lambda: tuple(tuple(sorted(set(classes))) for classes in zip(*patterns)))
+
+    def _spans_groups(self, parts: tuple[GroupPart, ...]) -> bool:
+        """Whether a data-parallel group lying so crosses fabric groups."""
+        return self._memo(("spans", parts), lambda: len({self.classes[c].group for c, *_ in parts}) > 1)
+
     def _group_terms(self, parts: tuple[GroupPart, ...], crossings: int) -> tuple[float, float]:
         key = ("terms", parts, crossings)
         if key not in self._cache:
             hosts = representative_hosts(parts, self.classes)
-            spans = len({self.classes[c].group for c, *_ in parts}) > 1
-            self._cache[key] = self.costs.allreduce_terms(hosts, crossings if spans else 1)
+            self._cache[key] = self.costs.allreduce_terms(hosts, crossings if self._spans_groups(parts) else 1)
         return self._cache[key]
 
     def _stage_params(self, layers: list[int], s: int) -> float:
@@ -295,69 +339,164 @@ class Planner:
 
     def _judge(self, family: str, order: str, tp: int, mbs: int,
                patterns: list[tuple[tuple[int, ...], int]], dp_parts: list[tuple[GroupPart, ...]],
-               same_node: dict[int, bool]) -> Candidate | None:
+               same_node: dict[int, bool], sweep: "_StageSweep | None" = None) -> Candidate | None:
         """Stage split, micro-batches and an estimated iteration time.
 
         patterns: (class of each stage, number of replicas like that), in replica order;
         dp_parts[s]: where stage s's data-parallel group lies; same_node[c]: whether a
-        replica's consecutive stages of class c share a node in this order.
+        replica's consecutive stages of class c share a node in this order; sweep: the
+        family's pipeline-depth sweep, told what this shape achieves. None also when the
+        shape fits but provably cannot matter (_worth_judging).
         """
         self.estimated += 1
         d = sum(n for _, n in patterns)
-        stages = len(patterns[0][0])
-        total_mb = self.global_batch_size // mbs
-        if total_mb < d or stages > self.model.num_layers:
+        if self.global_batch_size // mbs < d or len(patterns[0][0]) > self.model.num_layers:
             return None
-        distinct = sorted({p for p, _ in patterns})
-        at_stage = [sorted({p[s] for p in distinct}) for s in range(stages)]
-        crossings = d * tp  # every replica's transfer at a boundary runs at once
+        # Placement orders that move data alike share the pipeline; only the groups differ.
+        same_key = tuple(sorted(same_node.items()))
+        key = (tp, mbs, tuple(patterns), same_key)
+        if sweep is None:  # nobody needs to hear whether the shape fits: spare it the memory model
+            loose = self._memo(("loose floor",) + key, lambda: self._loose_floor(tp, mbs, patterns, same_key))
+            if not self._worth_judging(family, loose, None):
+                return None
+        pipe = self._memo(("pipeline",) + key, lambda: self._fit_pipeline(tp, mbs, patterns, same_key))
+        if pipe is None or not self._worth_judging(family, pipe.floor, sweep):
+            return None
+        split = self._memo(("split",) + key, lambda: self._split_pipeline(tp, mbs, pipe))
+        if split is None:
+            return None
+        layers, micro, pipeline = split
+        terms = self._stage_group_terms(tp, dp_parts)
+        after = self._reduce_and_step(tp, mbs, d, layers, pipe.modes, pipe.at_stage, terms)
+        given = {p: iter(micro[p]) for p in micro}
+        replica_classes = list(itertools.chain.from_iterable([p] * n for p, n in patterns))
+        micro_batches = list(itertools.chain.from_iterable(itertools.islice(given[p], n) for p, n in patterns))
+        candidate = Candidate(family, order, tp, mbs, list(layers), replica_classes, micro_batches,
+                              pipeline + after, list(pipe.modes))
+        if self._leaders is not None:
+            self._leaders.add(candidate)
+        if sweep is not None:
+            sweep.record(candidate.estimate_s)
+        return candidate
 
-        def sends(pattern: tuple[int, ...]) -> list[float]:
-            out = [0.0] * stages
-            for s in range(stages - 1):
+    def _fit_pipeline(self, tp: int, mbs: int, patterns: list[tuple[tuple[int, ...], int]],
+                      same_node: tuple[tuple[int, bool], ...]) -> "_Pipeline | None":
+        """The stages' caps and recomputation, and a floor of the pipeline's time; None if
+        the layers cannot fit. same_node: _judge's, as sorted (class, shares) pairs."""
+        d = sum(n for _, n in patterns)
+        distinct = sorted({p for p, _ in patterns})
+        at_stage = self._classes_at_stages(tuple(distinct))
+        fitting = self._recompute_to_fit(tp, mbs, d, at_stage)
+        if fitting is None:
+            return None
+        caps, modes = fitting
+        crossings = d * tp  # every replica's transfer at a boundary runs at once
+        sends = {p: self._pattern_sends(p, tp, mbs, same_node, crossings) for p in distinct}
+        times = {p: self._stage_layer_times(p, modes, tp, mbs) for p in distinct}
+        counts = _replica_counts(patterns)
+        floor = self._pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs)
+        return _Pipeline(at_stage, counts, sends, times, caps, modes, floor)
+
+    def _loose_floor(self, tp: int, mbs: int, patterns: list[tuple[tuple[int, ...], int]],
+                     same_node: tuple[tuple[int, bool], ...]) -> float:
+        """_Pipeline.floor before knowing the memory: every stage under its fastest
+        recomputation, with room for all the layers."""
+        counts = _replica_counts(patterns)
+        sends = {p: self._pattern_sends(p, tp, mbs, same_node, sum(counts.values()) * tp) for p in counts}
+        fastest = {c: min(self._layer_time(c, tp, mbs, mode) for mode in self._recompute_modes)
+                   for c in set().union(*counts)}
+        times = {p: [fastest[c] for c in p] for p in counts}
+        caps = [self.model.num_layers] * len(patterns[0][0])
+        return self._pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs)
+
+    def _split_pipeline(self, tp: int, mbs: int, pipe: "_Pipeline"
+                        ) -> tuple[list[int], dict[tuple[int, ...], list[int]], float] | None:
+        """(layers per stage, micro-batches per replica of each pattern, seconds of the
+        busiest replica), None if they cannot be split."""
+        extra = list(map(max, zip(*pipe.sends.values())))
+        extra[-1] += max(self._logits_time(c, tp, mbs) for c in pipe.at_stage[-1])
+        per_layer = list(map(max, zip(*pipe.times.values())))  # each stage's slowest class
+        layers = split_layers(self.model.num_layers, per_layer, extra, pipe.caps)
+        if layers is None:
+            return None
+        shape = {p: self._replica_shape(p, layers, pipe.modes, tp, mbs, sends) for p, sends in pipe.sends.items()}
+        micro = allocate_micro_batches(self.global_batch_size // mbs, pipe.counts, shape)
+        if micro is None:
+            return None
+        return layers, micro, max(shape[p][0] + max(micro[p]) * shape[p][1] for p in micro)
+
+    def _stage_group_terms(self, tp: int, dp_parts: list[tuple[GroupPart, ...]]) -> list[tuple[float, float]]:
+        """Each stage's all-reduce terms; groups crossing fabrics share the links."""
+        alike = collections.Counter(dp_parts)  # stages whose groups lie alike
+        spanning = sum(n for parts, n in alike.items() if self._spans_groups(parts))
+        crossings = max(1, tp * spanning)
+        terms_of = {parts: self._group_terms(parts, crossings) for parts in alike}
+        return [terms_of[parts] for parts in dp_parts]
+
+    def _pattern_sends(self, pattern: tuple[int, ...], tp: int, mbs: int,
+                       same_node: tuple[tuple[int, bool], ...], crossings: int) -> list[float]:
+        """Each stage's transfers per micro-batch (its activation out, its gradient back)."""
+        def compute() -> list[float]:
+            same = dict(same_node)
+            boundary: dict[tuple[int, int], tuple[float, float]] = {}  # (forward, backward) by classes
+            out = [0.0] * len(pattern)
+            for s in range(len(pattern) - 1):
                 a, b = pattern[s], pattern[s + 1]
-                forward = self._send_time(a, b, tp, mbs, same_node.get(a, False), crossings)
-                backward = self._send_time(b, a, tp, mbs, same_node.get(a, False), crossings)
+                if (a, b) not in boundary:
+                    boundary[a, b] = (self._send_time(a, b, tp, mbs, same.get(a, False), crossings),
+                                      self._send_time(b, a, tp, mbs, same.get(a, False), crossings))
+                forward, backward = boundary[a, b]
                 out[s] += forward
                 out[s + 1] += backward
             return out
+        return self._memo(("sends", pattern, tp, mbs, same_node, crossings), compute)
 
-        same_key = tuple(sorted(same_node.items()))
-        pattern_sends = {p: self._memo(("sends", p, tp, mbs, same_key, crossings), lambda p=p: sends(p))
-                         for p in distinct}
-        extra = [max(pattern_sends[p][s] for p in distinct) for s in range(stages)]
-        extra[-1] += max(self._logits_time(c, tp, mbs) for c in at_stage[-1])
-        found = self._split_with_recompute(tp, mbs, d, at_stage, extra)
-        if found is None:
-            return None
-        layers, modes = found
-        shape = {p: self._replica_shape(p, layers, modes, tp, mbs, pattern_sends[p]) for p in distinct}
-        counts: dict[tuple, int] = {}
-        for p, n in patterns:
-            counts[p] = counts.get(p, 0) + n
-        micro = allocate_micro_batches(total_mb, counts, shape)
-        if micro is None:
-            return None
-        pipeline = max(shape[p][0] + m * shape[p][1] for p in micro for m in micro[p])
-        spanning = sum(len({self.classes[c].group for c, *_ in parts}) > 1 for parts in dp_parts)
-        group_crossings = max(1, tp * spanning)
-        terms = [self._group_terms(dp_parts[s], group_crossings) for s in range(stages)]
-        after = self._reduce_and_step(tp, mbs, d, layers, modes, at_stage, terms)
-        given = {p: iter(micro[p]) for p in micro}
-        replica_classes = [p for p, n in patterns for _ in range(n)]
-        micro_batches = [next(given[p]) for p in replica_classes]
-        return Candidate(family, order, tp, mbs, layers, replica_classes, micro_batches,
-                         pipeline + after, modes)
+    def _pipeline_floor(self, counts: dict[tuple[int, ...], int], sends: dict[tuple[int, ...], list[float]],
+                        times: dict[tuple[int, ...], list[float]], caps: list[int], tp: int, mbs: int,
+                        total_mb: int) -> float:
+        """A lower bound on the pipeline part of _judge's estimate, whatever the layer split
+        (within the stages' caps) and the micro-batch allocation. A replica of pattern p
+        running m micro-batches takes fill + m * step = sum(work) + (m - 1) * max(work)
+        (_replica_shape): at least least_p + (m - 1) * step_p, least_p with the layers on
+        the pattern's fastest stages and step_p with the layers spread perfectly over its
+        stages. Every replica runs at least one micro-batch, and together they run
+        total_mb: the slowest takes at least the returned time."""
+        num_layers = self.model.num_layers
+        rate = offset = slowest_single = 0.0
+        for p, n in counts.items():
+            least = (_least_layer_work(times[p], caps, num_layers) + sum(sends[p])
+                     + self._logits_time(p[-1], tp, mbs))
+            step = num_layers / sum(1 / t for t in times[p])
+            rate += n / step
+            offset += n * least / step
+            slowest_single = max(slowest_single, least)
+        return max(slowest_single, (total_mb - sum(counts.values()) + offset) / rate)
+
+    def _worth_judging(self, family: str, floor: float, sweep: "_StageSweep | None") -> bool:
+        """Whether a shape whose estimate is at least `floor` can still matter: reach the
+        shortlist (while the search keeps only contenders), or change its sweep's course. A
+        shape that cannot (and fits, as it does whenever a sweep is given) is reported to its
+        sweep with its floor, which steers the sweep exactly as its estimate would (both lie
+        above _StageSweep.bar)."""
+        if self._leaders is None:
+            return True
+        floor *= 1 - FLOOR_ROUNDING  # so that rounding never lifts it above the estimate
+        if floor <= self._leaders.bar(family) or (sweep is not None and floor <= sweep.bar()):
+            return True
+        if sweep is not None:
+            sweep.record(floor)
+        return False
 
     # The pieces of an estimate, shared by _judge (which also chooses the layout) and
     # estimate (a given plan).
 
-    def _replica_shape(self, pattern: tuple[int, ...], layers: list[int], modes: list[str], tp: int,
+    def _replica_shape(self, pattern: tuple[int, ...], layers: list[int], modes: Sequence[str], tp: int,
                        mbs: int, sends: list[float]) -> tuple[float, float]:
         """(fill, step) of a replica whose stages are on classes `pattern`: running m
         micro-batches takes about fill + m * step (the slowest stage paces the pipeline,
         the others fill and drain it)."""
-        work = [n * self._layer_time(c, tp, mbs, r) + x for n, c, x, r in zip(layers, pattern, sends, modes)]
+        times = self._stage_layer_times(pattern, tuple(modes), tp, mbs)
+        work = [n * t + x for n, t, x in zip(layers, times, sends)]
         work[-1] += self._logits_time(pattern[-1], tp, mbs)
         return sum(work) - max(work), max(work)
 
@@ -411,19 +550,24 @@ class Planner:
         terms = [costs.allreduce_terms(tuple(g), max(1, tp * spanning)) for g in groups]
         return fits, pipeline + self._reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms)
 
-    def _split_with_recompute(self, tp: int, mbs: int, d: int, at_stage: list[list[int]],
-                              extra: list[float]) -> tuple[list[int], list[str]] | None:
-        """Layers per stage and each stage's recomputation: every stage starts with the
-        cheapest mode; while the stages cannot hold the layers (split_layers fails only
-        then: a stage with room for none, or too little room in all), the stage with the
-        least room moves to the next mode (its activations shrink, its backward grows)."""
+    def _recompute_to_fit(self, tp: int, mbs: int, d: int, at_stage: tuple[tuple[int, ...], ...]
+                          ) -> tuple[list[int], tuple[str, ...]] | None:
+        """Each stage's layer cap and recomputation, None if no choice holds the layers:
+        every stage starts with the cheapest mode; while the stages cannot hold the layers
+        (split_layers fails only then: a stage with room for none, or too little room in
+        all), the stage with the least room moves to the next mode (its activations shrink,
+        its backward grows). The same for every placement order of a shape: memoised."""
+        return self._memo(("fit", tp, mbs, d, at_stage), lambda: self._escalate_recompute(tp, mbs, d, at_stage))
+
+    def _escalate_recompute(self, tp: int, mbs: int, d: int, at_stage: tuple[tuple[int, ...], ...]
+                            ) -> tuple[list[int], tuple[str, ...]] | None:
         stages, modes_tried = len(at_stage), self._recompute_modes
         by_mode: dict[str, list[int]] = {}
 
         def caps_of(mode: str) -> list[int]:  # per stage, the least over its classes
             if mode not in by_mode:
                 per_class = {c: self._stage_caps(c, tp, mbs, d, stages, mode) for c in set().union(*at_stage)}
-                by_mode[mode] = [min(per_class[c][s] for c in at_stage[s]) for s in range(stages)]
+                by_mode[mode] = _least_per_stage(per_class, at_stage)
             return by_mode[mode]
 
         level = [0] * stages
@@ -445,10 +589,7 @@ class Planner:
                 least = min(caps) if caps[s] >= 1 > least else least
             if total < self.model.num_layers or min(caps) < 1:
                 return None
-        modes = [modes_tried[i] for i in level]
-        per_layer = [max(self._layer_time(c, tp, mbs, modes[s]) for c in at_stage[s]) for s in range(stages)]
-        layers = split_layers(self.model.num_layers, per_layer, extra, caps)
-        return None if layers is None else (layers, modes)
+        return caps, tuple(modes_tried[i] for i in level)
 
     # ----- the three families -----------------------------------------------------------
 
@@ -469,15 +610,24 @@ class Planner:
             counts = dict(zip(classes, k))
             for class_order in self._class_orders(classes):
                 pattern = tuple(c for c in class_order for _ in range(counts[c]))
-                local = [pattern[:s].count(c) for s, c in enumerate(pattern)]  # stage index in its class
                 for order in ORDERS:
-                    parts = [(class_group_part(c, self._per_node(c, tp), d_use, counts[c], j, order),)
-                             for c, j in zip(pattern, local)]
-                    same = {c: neighbours_share_node(self._per_node(c, tp), d_use, counts[c], order)
-                            for c in classes}
+                    parts, same = self._cross_class_layout(tp, pattern, d_use, order)
                     candidate = self._judge("cross-class", order, tp, mbs, [(pattern, d_use)], parts, same)
                     if candidate is not None:
                         yield candidate
+
+    def _cross_class_layout(self, tp: int, pattern: tuple[int, ...], replicas: int, order: str
+                            ) -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
+        """Where each stage's data-parallel group lies, and whether a replica's consecutive
+        stages of a class share a node: the same for every micro-batch size."""
+        def compute() -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
+            local = [pattern[:s].count(c) for s, c in enumerate(pattern)]  # stage index in its class
+            parts = [(class_group_part(c, self._per_node(c, tp), replicas, pattern.count(c), j, order),)
+                     for c, j in zip(pattern, local)]
+            same = {c: neighbours_share_node(self._per_node(c, tp), replicas, pattern.count(c), order)
+                    for c in sorted(set(pattern))}
+            return parts, same
+        return self._memo(("cross-class layout", tp, pattern, replicas, order), compute)
 
     def _class_orders(self, classes: list[int]) -> list[tuple[int, ...]]:
         """Stage orders worth trying: all of them for few classes, else grouped by fabric."""
@@ -507,14 +657,20 @@ class Planner:
                 break
             patterns = [(tuple([c] * stages), n) for c, n in replicas.items()]
             for order in ORDERS:
-                parts = [tuple(class_group_part(c, self._per_node(c, tp), n, stages, s, order)
-                               for c, n in replicas.items()) for s in range(stages)]
-                same = {c: neighbours_share_node(self._per_node(c, tp), n, stages, order)
-                        for c, n in replicas.items()}
-                candidate = self._judge("class-pure", order, tp, mbs, patterns, parts, same)
-                sweep.record(stages, candidate)
+                parts, same = self._class_pure_layout(tp, stages, tuple(replicas.items()), order)
+                candidate = self._judge("class-pure", order, tp, mbs, patterns, parts, same, sweep)
                 if candidate is not None:
                     yield candidate
+
+    def _class_pure_layout(self, tp: int, stages: int, replicas: tuple[tuple[int, int], ...], order: str
+                           ) -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
+        """_cross_class_layout for class-pure replicas, `replicas`: (class, how many)."""
+        def compute() -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
+            parts = [tuple(class_group_part(c, self._per_node(c, tp), n, stages, s, order) for c, n in replicas)
+                     for s in range(stages)]
+            same = {c: neighbours_share_node(self._per_node(c, tp), n, stages, order) for c, n in replicas}
+            return parts, same
+        return self._memo(("class-pure layout", tp, stages, replicas, order), compute)
 
     def _launch_order(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
         runs = launch_runs(self.cluster, self._class_of, set(classes), tp)
@@ -527,8 +683,7 @@ class Planner:
             patterns = launch_patterns(runs, d, stages)
             parts = [launch_group_parts(runs, s * d, d) for s in range(stages)]
             same = {c: False for c in classes}  # neighbours are d groups apart
-            candidate = self._judge("launch-order", "stage-major", tp, mbs, patterns, parts, same)
-            sweep.record(stages, candidate)
+            candidate = self._judge("launch-order", "stage-major", tp, mbs, patterns, parts, same, sweep)
             if candidate is not None:
                 yield candidate
 
@@ -546,7 +701,13 @@ class Planner:
 
     # ----- search -------------------------------------------------------------------------
 
-    def candidates(self, progress: Callable[[str], None] | None = None) -> list[Candidate]:
+    def candidates(self, progress: Callable[[str], None] | None = None,
+                   only_contenders: bool = False) -> list[Candidate]:
+        """Every shape that fits, estimated; with only_contenders, those that may still reach
+        the shortlist (the others are dropped once a lower bound of their estimate shows
+        they cannot: the shortlist is the same, the search faster)."""
+        self._leaders = _Leaderboard(self.options.exact_candidates, self.options.exact_per_family) \
+            if only_contenders else None
         sizes = self.options.micro_batch_sizes
         if not any(self.global_batch_size % mbs == 0 for mbs in sizes):
             raise HeteroError(
@@ -591,7 +752,7 @@ class Planner:
         if self.global_batch_size < 1:
             raise HeteroError("global batch size must be at least 1")
         start = time.perf_counter()
-        found = self.candidates(progress)
+        found = self.candidates(progress, only_contenders=True)
         best: tuple[float, Plan, Prediction, str, TrainingSetup] | None = None
         shortlist = self._shortlist(found)
         trials = [(c, c.order) for c in shortlist]
@@ -669,9 +830,47 @@ class _StageSweep:
                 if self.worse_in_a_row >= self.patience:
                     return
 
-    def record(self, stages: int, candidate: Candidate | None) -> None:
-        if candidate is not None:
-            self.depth_best = min(self.depth_best, candidate.estimate_s)
+    def record(self, estimate_s: float) -> None:
+        """A shape at the current depth that fits, with its estimate (or a floor of it above bar())."""
+        self.depth_best = min(self.depth_best, estimate_s)
+
+    def bar(self) -> float:
+        """A depth's estimates above this cannot change the sweep's course: they do not lower
+        the depth's best so far, or they neither lower the overall best nor break a run of
+        depths worse than it by the margin (a floor recorded instead keeps both so)."""
+        return min(self.depth_best, self.margin * self.best)
+
+
+def _replica_counts(patterns: list[tuple[tuple[int, ...], int]]) -> dict[tuple[int, ...], int]:
+    """Replicas of each pattern (a pattern may come back further on in replica order)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for p, n in patterns:
+        counts[p] = counts.get(p, 0) + n
+    return counts
+
+
+def _least_layer_work(times: list[float], caps: list[int], num_layers: int) -> float:
+    """The least sum of layers[s] * times[s] over splits with 1 <= layers[s] <= caps[s]:
+    a layer on every stage, the others on the fastest stages first."""
+    work, left = sum(times), num_layers - len(times)
+    for time_s, cap in sorted(zip(times, caps)):
+        if left <= 0:
+            break
+        extra = min(left, cap - 1)
+        work += extra * time_s
+        left -= extra
+    return work
+
+
+def _least_per_stage(per_class: dict[int, list[int]], at_stage: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Each stage's least value over the classes at that stage."""
+    if len(set(at_stage)) == 1:  # the same classes at every stage (class-pure shapes): column-wise
+        return list(map(min, zip(*(per_class[c] for c in at_stage[0]))))
+    return [min(per_class[c][s] for c in classes) for s, classes in enumerate(at_stage)]
+
+
+def _shape_key(c: Candidate) -> tuple:
+    return (c.family, c.order, c.tensor_parallel, c.micro_batch_size, len(c.layers), len(c.replica_classes))
 
 
 def _distinct(candidates: list[Candidate]) -> list[Candidate]:
@@ -679,8 +878,50 @@ def _distinct(candidates: list[Candidate]) -> list[Candidate]:
     predictor sees different shapes rather than near copies of one."""
     seen, out = set(), []
     for c in candidates:
-        key = (c.family, c.order, c.tensor_parallel, c.micro_batch_size, len(c.layers), len(c.replica_classes))
+        key = _shape_key(c)
         if key not in seen:
             seen.add(key)
             out.append(c)
     return out
+
+
+class _BestDistinct:
+    """The `size` best estimates among distinct shapes (_shape_key), each shape at its best."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.best: dict[tuple, float] = {}
+
+    def add(self, key: tuple, estimate_s: float) -> None:
+        if key in self.best:
+            self.best[key] = min(self.best[key], estimate_s)
+        elif len(self.best) < self.size:
+            self.best[key] = estimate_s
+        elif self.size:
+            worst = max(self.best, key=self.best.__getitem__)
+            if estimate_s < self.best[worst]:
+                del self.best[worst]
+                self.best[key] = estimate_s
+
+    def bar(self) -> float:
+        """An estimate above this cannot be among the `size` best: it only falls as shapes come."""
+        if len(self.best) < self.size:
+            return float("inf")
+        return max(self.best.values(), default=float("-inf"))
+
+
+class _Leaderboard:
+    """What a candidate has to beat to reach Planner._shortlist: the best distinct shapes
+    overall, or its family's."""
+
+    def __init__(self, overall: int, per_family: int):
+        self.overall = _BestDistinct(overall)
+        self.families = {family: _BestDistinct(per_family) for family in FAMILIES}
+
+    def add(self, candidate: Candidate) -> None:
+        key = _shape_key(candidate)
+        self.overall.add(key, candidate.estimate_s)
+        self.families[candidate.family].add(key, candidate.estimate_s)
+
+    def bar(self, family: str) -> float:
+        return max(self.overall.bar(), self.families[family].bar())

@@ -17,6 +17,7 @@ every memory figure from memory.py: the planner's fast estimate uses the same fu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from hetero.cluster import Cluster
 from hetero.costs import CostModel
@@ -194,32 +195,45 @@ def optimizer_time(plan: Plan, costs: CostModel, grid: list[list[StageSlot]]) ->
         for row in grid for slot in row)
 
 
-def stage_memories(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]],
-                   timings: list[list[StageTiming]]) -> tuple[list[StageReport], list[str]]:
-    """Each (replica, stage)'s memory, and what does not fit."""
+def slot_memories(plan: Plan, costs: CostModel,
+                  grid: list[list[StageSlot]]) -> Iterator[tuple[StageSlot, MemoryEstimate]]:
+    """Each (replica, stage)'s memory, replica by replica (ranks alike share one estimate)."""
     pp = plan.pipeline_parallel
     memories: dict[tuple, MemoryEstimate] = {}
-    reports, problems = [], []
     for d, row in enumerate(grid):
         m = plan.replicas[d].num_micro_batches
         for slot in row:
-            s, layers = slot.stage, plan.stages[slot.stage].num_layers
+            s = slot.stage
             key = (slot.vendor, s, min(m, pp - s) if costs.setup.virtual_stages == 1 else m)
             if key not in memories:
                 memories[key] = rank_memory(
                     costs, vendor=slot.vendor, tensor_parallel=plan.tensor_parallel,
                     data_parallel=plan.data_parallel, micro_batch_size=plan.micro_batch_size,
-                    num_layers=layers, stage=s, num_stages=pp, num_micro_batches=m,
+                    num_layers=plan.stages[s].num_layers, stage=s, num_stages=pp, num_micro_batches=m,
                     recompute=stage_recompute(plan, s, costs))
-            memory = memories[key]
-            device = cluster.devices[slot.device_type]
-            reports.append(StageReport(slot, layers, timings[d][s], memory, capacity_bytes(device.memory_gib)))
-            if memory.total > capacity_bytes(device.memory_gib):
-                problems.append(
-                    f"replica {d} stage {s} ({slot.device_type}, {layers} layers) needs "
-                    f"{memory.total / GIB:.1f} GiB of {device.memory_gib:g} GiB"
-                )
+            yield slot, memories[key]
+
+
+def stage_memories(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]],
+                   timings: list[list[StageTiming]]) -> tuple[list[StageReport], list[str]]:
+    """Each (replica, stage)'s memory, and what does not fit."""
+    reports, problems = [], []
+    for slot, memory in slot_memories(plan, costs, grid):
+        d, s, layers = slot.replica, slot.stage, plan.stages[slot.stage].num_layers
+        device = cluster.devices[slot.device_type]
+        reports.append(StageReport(slot, layers, timings[d][s], memory, capacity_bytes(device.memory_gib)))
+        if memory.total > capacity_bytes(device.memory_gib):
+            problems.append(
+                f"replica {d} stage {s} ({slot.device_type}, {layers} layers) needs "
+                f"{memory.total / GIB:.1f} GiB of {device.memory_gib:g} GiB"
+            )
     return reports, problems
+
+
+def fits_in_memory(plan: Plan, cluster: Cluster, costs: CostModel) -> bool:
+    """predict(plan, cluster, costs).fits, without predicting the time."""
+    return all(memory.total <= capacity_bytes(cluster.devices[slot.device_type].memory_gib)
+               for slot, memory in slot_memories(plan, costs, slots(plan, cluster)))
 
 
 def model_tflops(plan: Plan, costs: CostModel, grid: list[list[StageSlot]], iteration_s: float) -> dict[str, float]:

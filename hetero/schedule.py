@@ -47,47 +47,83 @@ def op_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[
 
 def simulate_1f1b(stages: list[StageTiming], num_micro_batches: int) -> list[list[Op]]:
     """Every op of one pipeline with its start and end time; ops[s] is stage s's list."""
+    return _simulate(stages, num_micro_batches, record=True)[1]
+
+
+def stage_ends_1f1b(stages: list[StageTiming], num_micro_batches: int) -> list[float]:
+    """When each stage of simulate_1f1b's pipeline ends its last op (0 with no ops),
+    without keeping the ops."""
+    return _simulate(stages, num_micro_batches, record=False)[0]
+
+
+def _simulate(stages: list[StageTiming], num_micro_batches: int,
+              record: bool) -> tuple[list[float], list[list[Op]]]:
+    """(each stage's clock at the end, each stage's ops if recorded). Each op starts once
+    its stage is free and its input has arrived, so the times follow from the dependencies
+    alone, whatever order the stages are visited in: a stage runs as far as its inputs
+    allow, then waits until a neighbour delivers."""
     num_stages, m = len(stages), num_micro_batches
-    orders = [op_order(s, num_stages, m) for s in range(num_stages)]
     # forward_ready[s][i] / backward_ready[s][i]: when micro-batch i's input / gradient
-    # reaches stage s (None: not yet).
+    # reaches stage s (None: not yet). The last stage's gradient of i is its own forward's end.
     forward_ready = [[0.0] * m] + [[None] * m for _ in range(num_stages - 1)]
     backward_ready = [[None] * m for _ in range(num_stages)]
     done: list[list[Op]] = [[] for _ in range(num_stages)]
     clock = [0.0] * num_stages
     position = [0] * num_stages
-    last = num_stages - 1
+    orders = [op_order(s, num_stages, m) for s in range(num_stages)]
     waiting = list(range(num_stages))  # stages that may be able to run their next op
     while waiting:
         s = waiting.pop()
-        order, timing, ops = orders[s], stages[s], done[s]
-        forward_cost = timing.forward_s + timing.send_forward_s
-        backward_cost = timing.backward_s + timing.send_backward_s
-        t, k = clock[s], position[s]
-        while k < len(order):
-            kind, i = order[k]
-            ready = forward_ready[s][i] if kind == "F" else backward_ready[s][i]
+        _run_stage(s, stages[s], orders[s], forward_ready, backward_ready, done[s] if record else None,
+                   clock, position, waiting)
+    if any(position[s] < len(orders[s]) for s in range(num_stages)):
+        raise RuntimeError("1F1B simulation deadlocked; the op order is inconsistent")
+    return clock, done
+
+
+def _run_stage(s: int, timing: StageTiming, order: list[tuple[str, int]], forward_ready: list[list],
+               backward_ready: list[list], ops: list[Op] | None, clock: list[float], position: list[int],
+               waiting: list[int]) -> None:
+    """Stage s's ops from where it stopped until one waits for an input (appended to `ops`
+    unless None); the neighbours it delivers to go back on `waiting`."""
+    last = len(forward_ready) - 1
+    own_forward, own_backward = forward_ready[s], backward_ready[s]
+    # Where this stage's outputs go: the next stage's inputs, the previous stage's gradients
+    # (the last stage feeds its own backward).
+    sends_to = forward_ready[s + 1] if s < last else own_backward
+    returns_to = backward_ready[s - 1] if s > 0 else None
+    forward_cost = timing.forward_s + timing.send_forward_s
+    backward_cost = timing.backward_s + timing.send_backward_s
+    new_op = tuple.__new__  # Op(...) without NamedTuple's argument handling: it runs per op
+    t, k, end = clock[s], position[s], len(order)
+    sent_forward = sent_backward = False
+    while k < end:
+        kind, i = order[k]
+        if kind == "F":
+            ready = own_forward[i]
             if ready is None:
                 break  # blocked until a neighbour delivers; it will put s back
             start = t if t > ready else ready
-            if kind == "F":
-                t = start + forward_cost
-                if s < last:
-                    forward_ready[s + 1][i] = t
-                    waiting.append(s + 1)
-                else:  # the last stage's backward of i follows its own forward of i
-                    backward_ready[s][i] = t
-            else:
-                t = start + backward_cost
-                if s > 0:
-                    backward_ready[s - 1][i] = t
-                    waiting.append(s - 1)
-            ops.append(Op(s, kind, i, start, t))
-            k += 1
-        clock[s], position[s] = t, k
-    if any(position[s] < len(orders[s]) for s in range(num_stages)):
-        raise RuntimeError("1F1B simulation deadlocked; the op order is inconsistent")
-    return done
+            t = start + forward_cost
+            sends_to[i] = t
+            sent_forward = True
+        else:
+            ready = own_backward[i]
+            if ready is None:
+                break
+            start = t if t > ready else ready
+            t = start + backward_cost
+            if returns_to is not None:
+                returns_to[i] = t
+                sent_backward = True
+        if ops is not None:
+            ops.append(new_op(Op, (s, kind, i, start, t)))
+        k += 1
+    clock[s], position[s] = t, k
+    if sent_forward and s < last:
+        waiting.append(s + 1)
+    if sent_backward:
+        waiting.append(s - 1)
 
 
 def makespan(ops: list[list[Op]]) -> float:

@@ -241,14 +241,7 @@ def _published():
 
 
 PUBLISHED = _published()
-# Known miss: interleaved rows come out about 4% faster than published, the others within
-# 1-7%; 76B (4 stages, 3 virtual stages each) is just past the bound.
-KNOWN_MISSES = {"76B"}
-
-
-@pytest.mark.parametrize("row", [
-    pytest.param(row, marks=pytest.mark.xfail(strict=True, reason="interleaved rows predicted ~4% too fast"))
-    if row.name in KNOWN_MISSES else row for row in PUBLISHED.TABLE], ids=lambda row: row.name)
+@pytest.mark.parametrize("row", PUBLISHED.TABLE, ids=lambda row: row.name)
 def test_published_sc21_row_within_ten_percent(row):
     predicted = PUBLISHED.predict_row(row)
     error = predicted.iteration_time_s / row.published_iteration_s() - 1

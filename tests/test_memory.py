@@ -22,7 +22,8 @@ TOLERANCE = 0.10
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "2",
          "--global-batch-size", "16", "--train-iters", "3", "--lr", "1e-4", "--mock-data",
-         "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000", "--log-interval", "3",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000", "--log-interval", "1",
+         "--log-memory-interval", "3",
          "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0"]
 SPEC = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256,
                  vocab_size=8064, max_position_embeddings=256)  # 8001 tokens padded to 8064
@@ -40,9 +41,11 @@ def test_predicted_peak_memory_per_stage(tmp_path, distributed_optimizer):
     args = MODEL + (["--use-distributed-optimizer"] if distributed_optimizer else [])
     result = run_pretrain(args, nproc=4, plan=plan, tmp_path=tmp_path)
     assert result.returncode == 0, result.output[-3000:]
-    measured = {int(rank) // 2: float(mb) * 2**20 for rank, mb in
-                re.findall(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| max rss: ([0-9.]+)", result.stdout)}
-    assert sorted(measured) == [0, 1], result.stdout[-2000:]
+    lines = re.findall(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| max rss: ([0-9.]+)",
+                       result.stdout)
+    # Megatron-LM's once (after the first logged iteration), then every --log-memory-interval.
+    assert sorted((int(rank), int(after)) for rank, after, _ in lines) == [(0, 1), (0, 3), (2, 1), (2, 3)], lines
+    measured = {int(rank) // 2: float(mb) * 2**20 for rank, after, mb in lines if after == "3"}
 
     setup = TrainingSetup("fp32", distributed_optimizer, fused_kernels=False, dropout=False)
     prediction = predict(Plan.from_dict(plan), CPU_NODE, CostModel(CPU_NODE, SPEC, setup))

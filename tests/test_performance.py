@@ -138,7 +138,8 @@ def test_no_fused_kernels_on_the_cpu():
 
 def test_gpu_fusions_follow_megatron_lm():
     args, _ = _configured(make_plan(tp=1, pp=1, dp=1, stages=[4], replicas=[8], rank_order=[0]))
-    everything = {"rope": True, "fused_weight_gradient_mlp_cuda": True, "apex": True}
+    everything = {"rope": True, "fused_weight_gradient_mlp_cuda": True, "apex": True,
+                  "scaled_masked_softmax_cuda": True}
     fusions = gpu_fusions(args, "local", everything)
     assert fusions.bias_activation_fusion and fusions.gradient_accumulation_fusion and fusions.persist_layer_norm
     assert not fusions.apply_rope_fusion  # learned positions: no RoPE to fuse
@@ -147,8 +148,9 @@ def test_gpu_fusions_follow_megatron_lm():
     fusions = gpu_fusions(llama, "transformer_engine", everything)
     assert fusions.apply_rope_fusion and fusions.bias_activation_fusion  # SwiGLU fusion needs no bias
     assert not fusions.gradient_accumulation_fusion
-    bare = gpu_fusions(llama, "local", {"rope": False, "fused_weight_gradient_mlp_cuda": False, "apex": False})
-    assert not bare.apply_rope_fusion and not bare.persist_layer_norm
+    bare = gpu_fusions(llama, "local", dict.fromkeys(everything, False))
+    assert not bare.apply_rope_fusion and not bare.persist_layer_norm and not bare.masked_softmax_fusion
+    assert gpu_fusions(llama, "local", everything).masked_softmax_fusion
     assert "RoPE fusion needs transformer-engine" in bare.describe()
     gelu_without_bias = parse_args(GPT_MODEL + TRAINING + ["--disable-bias-linear"])
     assert not gpu_fusions(gelu_without_bias, "local", everything).bias_activation_fusion

@@ -198,6 +198,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true",
                    help="add the TFLOP/s per device to the iteration line")
+    g.add_argument("--log-memory-interval", type=int, default=None,
+                   help="also print the memory line every N iterations (at a logging "
+                        "iteration), not only once")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="0: iteration time only; 1: also forward-backward, gradient reduction "
                         "and optimizer times; 2: the same (finer timers need GPU events)")

@@ -329,9 +329,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--tokenizer-hf-include-special-tokens", "--trust-remote-code",
     ),
     "logging_variants": (
-        "--log-progress", "--timing-log-option", 
-        "--log-memory-interval",
-        "--log-device-memory-used", "--no-barrier-with-level-1-timing",
+        "--log-progress", "--timing-log-option", "--log-device-memory-used", "--no-barrier-with-level-1-timing",
         "--logging-level", "--log-energy",
         "--config-logger-dir",
     ),

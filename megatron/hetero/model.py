@@ -111,6 +111,20 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec.from_megatron_args(args)
 
 
+def model_spec_of_flags(flags: list[str]) -> ModelSpec:
+    """The model pretrain_gpt.py builds from these model and data flags, its vocabulary
+    padded as the run pads it: for benches that predict a run before launching it."""
+    from megatron.hetero import data
+    from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
+
+    args = parse_args(flags + ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                               "--lr", "1"])
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    validate_args(args)
+    args.padded_vocab_size = padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
+    return model_spec(args)
+
+
 def _layer_spec(args: argparse.Namespace):
     if resolve_transformer_impl(args) == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (

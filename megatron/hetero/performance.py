@@ -248,7 +248,8 @@ def megatron_fusions(args: argparse.Namespace, transformer_impl: str) -> Fusions
         return Fusions(False, False, False, False, False, False, ("no GPU: no fused kernels",))
     available = {"rope": _fused_rope_available(),
                  "fused_weight_gradient_mlp_cuda": _module_exists("fused_weight_gradient_mlp_cuda"),
-                 "apex": _module_exists("apex")}
+                 "apex": _module_exists("apex"),
+                 "scaled_masked_softmax_cuda": _module_exists("scaled_masked_softmax_cuda")}
     return gpu_fusions(args, transformer_impl, available)
 
 
@@ -257,7 +258,7 @@ def gpu_fusions(args: argparse.Namespace, transformer_impl: str, available: dict
     then turned off by the same rules as its validate_args (bias-GeLU without biases, RoPE
     fusion without RoPE). Where Megatron-LM would stop because the kernel's package is
     missing (``available``: transformer-engine's fused RoPE, apex's wgrad kernel and fused
-    norm), the fusion is off and noted."""
+    norm, Megatron-LM's compiled masked-softmax kernels), the fusion is off and noted."""
     notes = []
     if args.swiglu:
         bias_activation = not args.no_bias_swiglu_fusion
@@ -272,13 +273,19 @@ def gpu_fusions(args: argparse.Namespace, transformer_impl: str, available: dict
     if grad_accumulation and local and not available["fused_weight_gradient_mlp_cuda"]:
         grad_accumulation = False
         notes.append("gradient-accumulation fusion needs apex's fused_weight_gradient_mlp_cuda")
+    # megatron-core's local attention imports Megatron-LM's compiled softmax kernels at its
+    # first fp16/bf16 forward and stops there if they were never built.
+    masked_softmax = not args.no_masked_softmax_fusion
+    if masked_softmax and local and not available["scaled_masked_softmax_cuda"]:
+        masked_softmax = False
+        notes.append("masked-softmax fusion needs Megatron-LM's scaled_masked_softmax_cuda kernels")
     persist = not args.no_persist_layer_norm
     if persist and local and not available["apex"]:
         persist = False
         notes.append("persistent layer norm needs apex")
     return Fusions(
         bias_activation_fusion=bias_activation,
-        masked_softmax_fusion=not args.no_masked_softmax_fusion,
+        masked_softmax_fusion=masked_softmax,
         bias_dropout_fusion=not args.no_bias_dropout_fusion,
         apply_rope_fusion=rope,
         persist_layer_norm=persist,

@@ -484,7 +484,9 @@ class Trainer:
                                     num_zeros, params_norm)
             if logging_now:
                 stats = _IntervalStats()
-                if not reported_memory:  # as Megatron-LM: one line per stage, once
+                # As Megatron-LM: one line per stage, once, and every --log-memory-interval.
+                memory_interval = args.log_memory_interval
+                if not reported_memory or (memory_interval and iteration % memory_interval == 0):
                     reported_memory = True
                     if parallel_state.get_data_parallel_rank() == 0 and (
                         parallel_state.get_tensor_model_parallel_rank() == 0

@@ -11,22 +11,13 @@ on exit, on error and on Ctrl-C. `--hetero-plan PLAN` is added for pretrain_gpt.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from hetero.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.launch import split_at_double_dash
 from hetero.plan import Plan
-from tools.emulator.cluster import EmulatedCluster, RankLayout
-
-
-def _stop_on_sigterm() -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGHUP, handler)
+from tools.emulator.cluster import EmulatedCluster, RankLayout, stop_on_termination_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if not job and not options.dry_run:
         parser.error("give the job after --, e.g. -- pretrain_gpt.py --num-layers 4 ...")
-    _stop_on_sigterm()
+    stop_on_termination_signals()
     try:
         cluster = Cluster.load(options.cluster)
         plan = Plan.load(options.plan) if options.plan else None

@@ -34,6 +34,18 @@ CORES_USED = 0.75
 NAMESPACE_NOISE = "The hostname of the client socket cannot be retrieved"
 
 
+def stop_on_termination_signals() -> None:
+    """SIGTERM, SIGHUP and SIGINT unwind like Ctrl-C, so an EmulatedCluster's exit removes its
+    namespaces, links, quotas and processes (a plain SIGTERM kills Python without it)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
+    # A shell starts background jobs with SIGINT ignored, and Python then keeps ignoring it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @dataclass
 class RankLayout:
     """Which device each launch rank stands in for, node by node (launch ranks of one host
