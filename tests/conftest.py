@@ -195,6 +195,34 @@ def llama_reference() -> RunResult:
     return _reference(LLAMA_MODEL)
 
 
+def processes_mentioning(fragment: str) -> list[str]:
+    """'pid command' of every live process whose command line contains fragment."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if fragment in command and state != "Z":
+            found.append(f"{entry.name} {command[:200]}")
+    return found
+
+
+def assert_nothing_left(fragment: str, within_s: float = 20) -> None:
+    """No process whose command line contains fragment (a test's tmp_path) is alive
+    within_s from now: a job never leaves a process behind."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while processes_mentioning(fragment) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = processes_mentioning(fragment)
+    assert not left, "the job left processes behind:\n" + "\n".join(left)
+
+
 class LiveJob:
     """A pretrain_gpt.py job running in the background whose output can be watched."""
 
@@ -229,6 +257,7 @@ class LiveJob:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"never saw {fragment!r}:\n{self.output[-3000:]}")
             time.sleep(0.02)
+        self._seen.update(self._descendants())
 
     def worker_pid(self, launch_rank: int) -> int:
         """The pid of the worker torchrun started as RANK=launch_rank."""
@@ -251,11 +280,21 @@ class LiveJob:
 
         return descendants([self.proc.pid])
 
+    def _alive(self) -> list[int]:
+        alive = []
+        for pid in self._seen:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        return alive
+
     def kill_everything(self) -> None:
         """SIGKILL to the launcher and every worker: torchrun starts each worker in a session
         of its own, so killing the launcher's process group alone would leave them running.
-        Processes seen earlier count too: a killed rank's helpers (megatron-core's
-        checkpoint Manager) are orphaned, no longer our descendants, and would live on."""
+        Processes seen earlier count too: orphans are no longer our descendants."""
         import signal
 
         self._seen.update(self._descendants())
@@ -265,9 +304,32 @@ class LiveJob:
             except ProcessLookupError:
                 pass
 
-    def finish(self, timeout: float) -> int:
+    def finish(self, timeout: float, left_behind_s: float = 20) -> int:
+        """The launcher's exit code. Raises if any process of the job (a worker, a helper a
+        worker started) is still alive left_behind_s after the launcher exited: a job never
+        leaves a process behind."""
+        import time
+
         try:
-            return self.proc.wait(timeout=timeout)
+            self._seen.update(self._descendants())
+            code = self.proc.wait(timeout=timeout)
+            deadline = time.monotonic() + left_behind_s
+            while self._alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = self._alive()
+            assert not left, f"the job left processes behind: {self._describe(left)}"
+            return code
         finally:
             self.kill_everything()
             self._reader.join(timeout=5)
+
+    @staticmethod
+    def _describe(pids: list[int]) -> str:
+        described = []
+        for pid in pids:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            except OSError:
+                command = "?"
+            described.append(f"{pid} ({command})")
+        return "; ".join(described)

@@ -92,8 +92,11 @@ def run_job(nproc: int, argv: list[str]) -> int:
         if pid == 0:
             time.sleep(0.05)
             continue
-        children.pop(pid)
+        rank = children.pop(pid)
         code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            print(f"forkrun: rank {rank} (pid {pid}) was killed by "
+                  f"{signal.Signals(-code).name}", file=sys.stderr, flush=True)
         if code != 0 and exit_code == 0:
             exit_code = code if code > 0 else 128 - code
             failed_at = time.monotonic()

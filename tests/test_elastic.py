@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
+from conftest import GPT_MODEL, REPO, TRAINING, assert_nothing_left, run_pretrain
 from hetero.cluster import Cluster
 from hetero.elastic import AttemptResult, cluster_without, lost_hosts, with_load
 from hetero.errors import HeteroError
@@ -129,6 +129,7 @@ def test_a_job_that_loses_a_node_finishes_on_the_other_as_a_hand_resume_would(tm
     finally:
         if supervisor.poll() is None:
             os.killpg(supervisor.pid, signal.SIGKILL)
+    assert_nothing_left(str(tmp_path))  # the lost attempt's ranks on the surviving node too
     output = "".join(lines)
     replanned = re.search(r"elastic: lost node-slow; re-planned for node-fast: (.*); predicted "
                           r"([0-9,]+) -> ([0-9,]+) tokens/s; wrote (\S+);", output)

@@ -141,17 +141,40 @@ def _apply_reshardable_offsets() -> object:
     return sharded_param_state_fully_reshardable
 
 
-def _apply_checkpoint_queue_by_fork() -> object:
+def _server_dies_with_rank(rank_pid: int) -> None:
+    """Runs first in the checkpoint Manager's server process: it goes when its rank goes.
+
+    A Manager's server outlives a killed parent: the ranks of a lost node or a stopped
+    attempt would each leave one behind, holding the rank's inherited signal handlers and
+    ignoring SIGTERM."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != rank_pid:  # the rank died before the line above
+        os._exit(0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _apply_checkpoint_queue_dies_with_rank() -> object:
+    from multiprocessing.managers import SyncManager
+
     from torch import multiprocessing as mp
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def write_results_queue():
         if filesystem_async._results_queue is None:
-            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+            manager = SyncManager(ctx=mp.get_context("fork" if _no_gpu() else "spawn"))
+            manager.start(_server_dies_with_rank, (os.getpid(),))
+            filesystem_async._results_queue = manager.Queue()
+            filesystem_async._results_queue_manager = manager  # keeps the server alive
         return filesystem_async._results_queue
 
     filesystem_async._get_write_results_queue = write_results_queue
     return write_results_queue
+
+
 def _moe_router_without_te() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
@@ -336,15 +359,16 @@ PATCHES: tuple[Patch, ...] = (
         apply=_apply_reshardable_offsets,
     ),
     Patch(
-        name="checkpoint-results-queue-by-fork",
+        name="checkpoint-results-queue-dies-with-rank",
         why=(
-            "only without a GPU: megatron-core's checkpoint writer collects its results "
-            "through a multiprocessing Manager started with 'spawn' (safe with CUDA), a new "
-            "interpreter that imports torch: ~10 s of the first save of every process on 2 "
-            "cores. Without CUDA a forked Manager is as safe and starts at once"
+            "megatron-core's checkpoint writer collects its results through a multiprocessing "
+            "Manager, whose server process outlives a killed rank (a lost node, a stopped "
+            "attempt) and ignores SIGTERM: the job would leave processes behind. The server is "
+            "started to die with its rank. Without a GPU it is also forked instead of spawned "
+            "(a new interpreter importing torch: ~10 s of the first save on 2 cores)"
         ),
-        needed=_no_gpu,
-        apply=_apply_checkpoint_queue_by_fork,
+        needed=lambda: True,
+        apply=_apply_checkpoint_queue_dies_with_rank,
     ),
     Patch(
         name="moe-router-without-te",

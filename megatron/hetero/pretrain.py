@@ -8,6 +8,7 @@ within seconds and identically on every rank.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import warnings
@@ -84,6 +85,8 @@ def main(argv: Sequence[str]) -> int:
     # Megatron's recipes set this: tensor-parallel collectives must keep their launch order.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     launch = read_launch()
+    # A rank killed by SIGSEGV/SIGBUS otherwise dies silently; its peers only see a closed socket.
+    faulthandler.enable()
     quiet_expected_warnings(launch.rank)
     import torch
 
