@@ -39,7 +39,9 @@ CPU_NODE = Cluster.from_dict({
 def test_predicted_peak_memory_per_stage(tmp_path, distributed_optimizer):
     plan = make_plan(tp=1, pp=2, dp=2, stages=[5, 3], replicas=[5, 3], rank_order=[0, 2, 1, 3])
     args = MODEL + (["--use-distributed-optimizer"] if distributed_optimizer else [])
-    result = run_pretrain(args, nproc=4, plan=plan, tmp_path=tmp_path)
+    # Fresh processes, as a real launch starts them: a rank forked from the suite's job
+    # server would inherit that process's resident pages and miss the libraries' own.
+    result = run_pretrain(args, nproc=4, plan=plan, tmp_path=tmp_path, launcher="torchrun")
     assert result.returncode == 0, result.output[-3000:]
     lines = re.findall(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| max rss: ([0-9.]+)",
                        result.stdout)

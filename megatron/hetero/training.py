@@ -590,6 +590,8 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         _train(args, plan, plan_source, ctx, patches, start_time,
                watchdog.exit_requested if args.exit_signal_handler else None)
     except HeteroError as err:  # reported here; ranks still waiting for this one stop too
+        if launch.world_size > 1:
+            watchdog.defer_to_published_stop()
         watchdog.finish()
         watchdog.publish_stop(str(err))
         raise

@@ -160,6 +160,17 @@ class Watchdog:
                 cause = f"launch rank {self.launch_rank} ({self.host}, pid {os.getpid()}) received {signum.name}"
                 self.handle(self.publish_stop(cause), signum=signum)
 
+    def defer_to_published_stop(self) -> None:
+        """Ends the process as handle() does when another rank already published why the job
+        stops (a signal it received, its own error): a local error that only follows from
+        it (the stopped peer's socket closed in the middle of a save) is not the cause."""
+        try:
+            published = self._stop_requested_by()
+        except Exception:
+            return
+        if published:
+            self.handle(published)
+
     def publish_stop(self, cause: str) -> str:
         """Tells every rank why the job stops, so that ranks waiting in a collective for
         this one stop too; the first cause published wins (the launcher's SIGTERM that
