@@ -4,8 +4,10 @@
         --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
 
 The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does. It is
-timed with 1 and 3 decoder layers: the difference is two layers, the rest is embedding,
-output layer and loss (the profile's "logits"). Activation memory per layer is what
+timed with 1 and 5 decoder layers: the difference is four layers, the rest is embedding,
+output layer and loss (the profile's "logits"). Four layers, not two, and 8 timed rounds:
+on a shared machine (or an emulated device under a CPU quota) one round varies by 10-30%,
+and a per-layer time is a difference of two such medians. Activation memory per layer is what
 autograd keeps for backward (saved-tensor hooks), on any device.
 
 Run by torchrun (or inside the emulator: `python -m tools.emulator --cluster C -- -m
@@ -31,7 +33,7 @@ from hetero.launch import split_at_double_dash
 from hetero.plan import write_json_atomic
 from hetero.profiles import ComputeProfile, model_shape
 
-PROBE_LAYERS = (1, 3)
+PROBE_LAYERS = (1, 5)
 # Flags the profile does not depend on but pretrain_gpt.py's parser insists on.
 PLACEHOLDER_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
                      "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="name in the cluster spec (default: HETERO_DEVICE, else what torch sees)")
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tensor-parallel", type=int, nargs="+", default=[1])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8)
     options = parser.parse_args(argv)
 
     from megatron.core import parallel_state
