@@ -46,6 +46,7 @@ from hetero.planner import Planner, PlannerOptions, _distinct  # noqa: E402
 from hetero.predictor import Prediction, predict  # noqa: E402
 from hetero.profiles import Profiles  # noqa: E402
 from hetero.report import measured_timeline_png  # noqa: E402
+from megatron.hetero.log import cpu_peak_memory_mb  # noqa: E402
 from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
 
 CLUSTERS = REPO / "examples" / "clusters"
@@ -116,9 +117,8 @@ class Bench:
             these = [float(t) / 1e3 for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", output)]
             # The line after the last iteration: the peak of the whole run (the first
             # iteration's line comes before the optimizer state exists).
-            memory = {int(r): float(mb) * 2**20 for r, after, mb in
-                      re.findall(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| max rss: ([0-9.]+)",
-                                 output) if int(after) == self.iterations}
+            memory = {r: mb * 2**20 for (r, after), mb in cpu_peak_memory_mb(output).items()
+                      if after == self.iterations}
             runs.append(statistics.median(these[WARMUP_ITERATIONS:]))
             times.append(these)
             for r, m in memory.items():  # the peak of a stage's ranks, medians over runs later

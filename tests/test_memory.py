@@ -5,7 +5,6 @@ tensors to the system, so the peak is what the job held, not what the heap kept)
 Tolerance: 10% per stage (seen here: within 1% for GPT, 3% for Llama-style with TP=2).
 """
 
-import re
 
 import pytest
 
@@ -15,6 +14,7 @@ from hetero.costs import CostModel, TrainingSetup
 from hetero.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predictor import predict
+from megatron.hetero.log import cpu_peak_memory_mb
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +43,10 @@ def test_predicted_peak_memory_per_stage(tmp_path, distributed_optimizer):
     # server would inherit that process's resident pages and miss the libraries' own.
     result = run_pretrain(args, nproc=4, plan=plan, tmp_path=tmp_path, launcher="torchrun")
     assert result.returncode == 0, result.output[-3000:]
-    lines = re.findall(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| max rss: ([0-9.]+)",
-                       result.stdout)
+    peaks = cpu_peak_memory_mb(result.stdout)
     # Megatron-LM's once (after the first logged iteration), then every --log-memory-interval.
-    assert sorted((int(rank), int(after)) for rank, after, _ in lines) == [(0, 1), (0, 3), (2, 1), (2, 3)], lines
-    measured = {int(rank) // 2: float(mb) * 2**20 for rank, after, mb in lines if after == "3"}
+    assert sorted(peaks) == [(0, 1), (0, 3), (2, 1), (2, 3)], peaks
+    measured = {rank // 2: mb * 2**20 for (rank, after), mb in peaks.items() if after == 3}
 
     setup = TrainingSetup("fp32", distributed_optimizer, fused_kernels=False, dropout=False)
     prediction = predict(Plan.from_dict(plan), CPU_NODE, CostModel(CPU_NODE, SPEC, setup))

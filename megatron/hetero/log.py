@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import resource
 import sys
 from datetime import datetime
@@ -113,7 +114,33 @@ def memory_line(rank: int, iteration: int) -> str:
             f"max reserved: {torch.cuda.max_memory_reserved() / mb:.1f}"
         )
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return f"[Rank {rank}] (after {iteration} iterations) memory (MB) | max rss: {peak_kb / 1024:.1f}"
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | max rss: {peak_kb / 1024:.1f} | "
+            f"mapped files: {_mapped_files_kb() / 1024:.1f}")
+
+
+_CPU_MEMORY_LINE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| "
+                              r"max rss: ([0-9.]+) \| mapped files: ([0-9.]+)")
+
+
+def cpu_peak_memory_mb(output: str) -> dict[tuple[int, int], float]:
+    """(rank, iteration) -> the job's own peak memory in MB, from the memory lines of CPU
+    ranks in a log: max rss less the mapped files."""
+    return {(int(rank), int(after)): float(rss) - float(files)
+            for rank, after, rss, files in _CPU_MEMORY_LINE.findall(output)}
+
+
+def _mapped_files_kb() -> int:
+    """Resident pages of mapped files (the libraries' code and data), now. Their number
+    depends on the page cache (the same run reads 86 or 147 MB of them), not on the job;
+    max rss minus this is the job's own peak, the CPU's "max allocated"."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def error(launch_rank: int, message: str) -> None:
