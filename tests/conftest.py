@@ -195,19 +195,24 @@ def llama_reference() -> RunResult:
     return _reference(LLAMA_MODEL)
 
 
+def live_command(pid: int) -> str | None:
+    """The command line of a live process; None when it is gone or a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, IndexError):
+        return None
+    return None if state == "Z" else command
+
+
 def processes_mentioning(fragment: str) -> list[str]:
     """'pid command' of every live process whose command line contains fragment."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if fragment in command and state != "Z":
-            found.append(f"{entry.name} {command[:200]}")
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            command = live_command(int(entry.name))
+            if command is not None and fragment in command:
+                found.append(f"{entry.name} {command[:200]}")
     return found
 
 
@@ -281,15 +286,7 @@ class LiveJob:
         return descendants([self.proc.pid])
 
     def _alive(self) -> list[int]:
-        alive = []
-        for pid in self._seen:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state != "Z":
-                alive.append(pid)
-        return alive
+        return [pid for pid in self._seen if live_command(pid) is not None]
 
     def kill_everything(self) -> None:
         """SIGKILL to the launcher and every worker: torchrun starts each worker in a session
@@ -317,19 +314,10 @@ class LiveJob:
             while self._alive() and time.monotonic() < deadline:
                 time.sleep(0.1)
             left = self._alive()
-            assert not left, f"the job left processes behind: {self._describe(left)}"
+            assert not left, "the job left processes behind: " + "; ".join(
+                f"{pid} ({(live_command(pid) or '?')[:120]})" for pid in left)
             return code
         finally:
             self.kill_everything()
             self._reader.join(timeout=5)
 
-    @staticmethod
-    def _describe(pids: list[int]) -> str:
-        described = []
-        for pid in pids:
-            try:
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-            except OSError:
-                command = "?"
-            described.append(f"{pid} ({command})")
-        return "; ".join(described)
