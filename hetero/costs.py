@@ -316,9 +316,13 @@ class CostModel:
         return route.latency + num_bytes / route.bandwidth
 
     def stage_transfer(self, host_a: str, host_b: str, tensor_parallel: int, micro_batch_size: int,
-                       concurrent_crossings: int = 1) -> float:
+                       concurrent_crossings: int = 1, receiver_tensor_parallel: int | None = None) -> float:
         """One micro-batch's activation (or gradient) from one stage's rank to the next's;
-        scattered transfers are all-gathered again inside the receiving node."""
+        scattered transfers are all-gathered again inside the receiving node. Between stages
+        of different tensor-parallel degree (plan version 3) the activation is re-sharded."""
+        if receiver_tensor_parallel is not None and receiver_tensor_parallel != tensor_parallel:
+            return self.p2p(host_a, host_b, self.reshard_busiest_bytes(
+                micro_batch_size, tensor_parallel, receiver_tensor_parallel), concurrent_crossings)
         message = self.activation_message_bytes(micro_batch_size, tensor_parallel)
         seconds = self.p2p(host_a, host_b, message, concurrent_crossings)
         whole = self.activation_bytes(micro_batch_size)
@@ -326,6 +330,16 @@ class CostModel:
             route = self.route(host_b, host_b)
             seconds += (tensor_parallel - 1) * route.latency + (whole - message) / route.bandwidth
         return seconds
+
+    def reshard_busiest_bytes(self, micro_batch_size: int, sender_tensor_parallel: int,
+                              receiver_tensor_parallel: int) -> float:
+        """What the busiest rank of a re-sharded stage transfer moves (stage_tensor_parallel.py):
+        sequence-parallel slices, the larger of a sender's and a receiver's slice; whole
+        copies, one to each of the ceil(tp_to / tp_from) receivers a sender serves."""
+        whole = self.activation_bytes(micro_batch_size)
+        if self.setup.sequence_parallel:
+            return whole / min(sender_tensor_parallel, receiver_tensor_parallel)
+        return whole * -(-receiver_tensor_parallel // sender_tensor_parallel)
 
     def tp_allreduce(self, host: str, tensor_parallel: int, num_bytes: float) -> float:
         """Ring all-reduce among the tensor-parallel ranks of one node."""

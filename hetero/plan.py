@@ -1,4 +1,4 @@
-"""The plan file (plan.json, version 2): how one training job is laid out on a cluster.
+"""The plan file (plan.json, version 3): how one training job is laid out on a cluster.
 
 A plan fixes the parallel degrees, how many decoder layers each pipeline stage holds, how
 many micro-batches each data-parallel replica runs per iteration, and which launched
@@ -6,6 +6,8 @@ process plays which Megatron rank:
 
 - Logical ranks follow Megatron's default order (tensor fastest, then data, then
   pipeline): tensor rank t of replica d in stage s is logical rank ``t + tp*(d + dp*s)``.
+  With a tensor-parallel degree per stage (version 3) stage s holds ``dp * tp_s`` ranks
+  after those of the stages before it: logical rank ``offset_s + t + tp_s*d``.
 - ``rank_order[i]`` is the launch rank (torchrun's RANK) that runs logical rank i.
 - ``devices[r]`` says what launch rank r is (host, device type, vendor, NIC).
 
@@ -39,6 +41,12 @@ What megatron-core 0.16.1's interleaved schedule requires, and the planner must 
 Megatron-LM additionally needs PP > 2 unless pipeline communication is overlapped
 (``--no-overlap-p2p-communication`` with PP=2 is refused at start-up, as Megatron-LM does).
 
+Version 3 adds ``stages[s].tensor_parallel``: this stage's tensor-parallel degree (default:
+the job's ``tensor_parallel``). Replicas of one stage share it, so the world size is
+``data_parallel x sum(stage TP)``; a stage on small devices shards wider while one on large
+devices runs whole. Stage-to-stage transfers between stages of different degrees are
+re-sharded at run time (megatron/hetero/stage_transfer.py).
+
 Fields this module does not know (predictions, provenance) are kept as they are.
 """
 
@@ -56,8 +64,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from hetero.errors import PlanError
 from hetero.validation import describe_validation_error
 
-PLAN_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+PLAN_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 
 
 class _Entry(BaseModel):
@@ -85,6 +93,8 @@ class RecomputeEntry(BaseModel):
 
 class StageEntry(_Entry):
     num_layers: int = Field(ge=1, description="decoder layers this pipeline stage builds")
+    tensor_parallel: int | None = Field(
+        default=None, ge=1, description="version 3: this stage's tensor-parallel degree (default: the job's)")
     recompute: Literal["selective", "none"] | RecomputeEntry | None = Field(
         default=None, description="version 2: this stage's recomputation, overriding the flags")
     virtual_stages: list[int] | None = Field(
@@ -134,7 +144,7 @@ class Plan(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    version: Literal[1, 2]
+    version: Literal[1, 2, 3]
     tensor_parallel: int = Field(ge=1)
     pipeline_parallel: int = Field(ge=1)
     data_parallel: int = Field(ge=1)
@@ -147,7 +157,7 @@ class Plan(BaseModel):
     @model_validator(mode="after")
     def _check_consistency(self) -> "Plan":
         problems = []
-        world = self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        world = self.world_size
         if len(self.stages) != self.pipeline_parallel:
             problems.append(
                 f"stages has {len(self.stages)} entries but pipeline_parallel is "
@@ -159,9 +169,10 @@ class Plan(BaseModel):
                 f"{self.data_parallel}: give one entry per data-parallel replica"
             )
         if len(self.devices) != world:
+            grid = (f"data_parallel x sum of the stages' tensor_parallel {self.stage_tensor_parallel}"
+                    if self.per_stage_tensor_parallel else "tensor_parallel x pipeline_parallel x data_parallel")
             problems.append(
-                f"devices has {len(self.devices)} entries but tensor_parallel x "
-                f"pipeline_parallel x data_parallel = {world}: give one entry per launch rank"
+                f"devices has {len(self.devices)} entries but {grid} = {world}: give one entry per launch rank"
             )
         if sorted(self.rank_order) != list(range(world)):
             problems.append(
@@ -189,11 +200,16 @@ class Plan(BaseModel):
                         f"stages[{index}].recompute: uniform groups of {entry.num_layers} layers do "
                         f"not divide the stage's {'+'.join(map(str, chunks))} layers (megatron-core "
                         "recomputes whole groups); use a divisor or the block method")
-        if self.version < 2:
+        if self.per_stage_tensor_parallel and self.virtual_pipeline_size is not None:
+            problems.append(
+                f"stages give different tensor_parallel {self.stage_tensor_parallel} and virtual_stages: "
+                "the interleaved schedule with a tensor-parallel degree per stage is not supported "
+                "(its wrap-around transfers are not re-sharded); drop virtual_stages or use one degree")
+        for needed, names in ((2, ("recompute", "virtual_stages")), (3, ("tensor_parallel",))):
             uses = [f"stages[{i}].{name}" for i, stage in enumerate(self.stages)
-                    for name in ("recompute", "virtual_stages") if getattr(stage, name) is not None]
-            if uses:
-                problems.append(f"{', '.join(uses)} need plan version 2; set \"version\": 2")
+                    for name in names if getattr(stage, name) is not None]
+            if uses and self.version < needed:
+                problems.append(f"{', '.join(uses)} need plan version {needed}; set \"version\": {needed}")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -279,8 +295,28 @@ class Plan(BaseModel):
     # ----- derived facts ---------------------------------------------------------------
 
     @property
+    def stage_tensor_parallel(self) -> list[int]:
+        """Each stage's tensor-parallel degree (its own, else the job's)."""
+        return [stage.tensor_parallel or self.tensor_parallel for stage in self.stages]
+
+    @property
+    def per_stage_tensor_parallel(self) -> bool:
+        """Whether stages differ in tensor-parallel degree."""
+        return len(set(self.stage_tensor_parallel)) > 1
+
+    @property
+    def max_tensor_parallel(self) -> int:
+        """The widest stage's degree: vocabulary padding follows it, so every plan of one model
+        trains the same (padded) vocabulary."""
+        return max(self.stage_tensor_parallel)
+
+    def stage_offset(self, pp_rank: int) -> int:
+        """The first logical rank of stage pp_rank."""
+        return self.data_parallel * sum(self.stage_tensor_parallel[:pp_rank])
+
+    @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return self.data_parallel * sum(self.stage_tensor_parallel)
 
     @property
     def num_layers(self) -> int:
@@ -298,28 +334,38 @@ class Plan(BaseModel):
     # ----- logical-rank arithmetic (the one place that knows Megatron's rank order) -----
 
     def coords(self, logical_rank: int) -> RankCoords:
-        tp, dp = self.tensor_parallel, self.data_parallel
-        return RankCoords(
-            tp_rank=logical_rank % tp,
-            dp_rank=(logical_rank // tp) % dp,
-            pp_rank=logical_rank // (tp * dp),
-        )
+        if not 0 <= logical_rank < self.world_size:
+            raise ValueError(f"logical rank {logical_rank} is outside 0..{self.world_size - 1}")
+        pp_rank = 0
+        while logical_rank >= self.stage_offset(pp_rank + 1):
+            pp_rank += 1
+        tp, local = self.stage_tensor_parallel[pp_rank], logical_rank - self.stage_offset(pp_rank)
+        return RankCoords(tp_rank=local % tp, dp_rank=local // tp, pp_rank=pp_rank)
 
     def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         """The logical rank of tensor rank tp_rank of replica dp_rank in stage pp_rank."""
-        return logical_rank_at(tp_rank, dp_rank, pp_rank, self.tensor_parallel, self.data_parallel)
+        tp = self.stage_tensor_parallel[pp_rank]
+        if not (0 <= tp_rank < tp and 0 <= dp_rank < self.data_parallel):
+            raise ValueError(f"stage {pp_rank} has tensor ranks 0..{tp - 1} and replicas "
+                             f"0..{self.data_parallel - 1}; asked for ({tp_rank}, {dp_rank})")
+        return self.stage_offset(pp_rank) + tp_rank + tp * dp_rank
 
     def tensor_group(self, dp_rank: int, pp_rank: int) -> list[int]:
         """Logical ranks of one (replica, stage): its tensor-parallel group."""
-        return [self.rank_at(t, dp_rank, pp_rank) for t in range(self.tensor_parallel)]
+        return [self.rank_at(t, dp_rank, pp_rank) for t in range(self.stage_tensor_parallel[pp_rank])]
 
     def data_group(self, tp_rank: int, pp_rank: int) -> list[int]:
         """Logical ranks that reduce the same gradients: one per replica."""
         return [self.rank_at(tp_rank, d, pp_rank) for d in range(self.data_parallel)]
 
     def pipeline_group(self, tp_rank: int, dp_rank: int) -> list[int]:
-        """Logical ranks of one replica's pipeline, stage by stage."""
-        return [self.rank_at(tp_rank, dp_rank, s) for s in range(self.pipeline_parallel)]
+        """Logical ranks of one replica's pipeline, stage by stage: tensor rank tp_rank of
+        each stage (modulo a narrower stage's degree, whose rank then serves several)."""
+        return [self.rank_at(tp_rank % tp, dp_rank, s) for s, tp in enumerate(self.stage_tensor_parallel)]
+
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """Every logical rank of one replica (all its stages' tensor groups): its model-parallel group."""
+        return [r for s in range(self.pipeline_parallel) for r in self.tensor_group(dp_rank, s)]
 
     def stage_device(self, dp_rank: int, pp_rank: int) -> "DeviceEntry":
         """The device of tensor rank 0 of one (replica, stage)."""
@@ -441,8 +487,10 @@ class Plan(BaseModel):
             "+".join(map(str, s.virtual_stages)) if s.virtual_stages else str(s.num_layers)
             for s in self.stages)
         replicas = ",".join(str(r.num_micro_batches) for r in self.replicas)
+        tp = ("[" + ",".join(map(str, self.stage_tensor_parallel)) + "]" if self.per_stage_tensor_parallel
+              else str(self.tensor_parallel))
         return (
-            f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel} "
+            f"TP={tp} PP={self.pipeline_parallel} DP={self.data_parallel} "
             f"micro-batch={self.micro_batch_size} layers per stage=[{stages}] "
             f"micro-batches per replica=[{replicas}] global batch={self.global_batch_size}"
         )

@@ -84,8 +84,8 @@ class Prediction:
 
 def slots(plan: Plan, cluster: Cluster) -> list[list[StageSlot]]:
     """slots[d][s]: the devices of replica d's stage s, checked against the cluster."""
-    tp, dp = plan.tensor_parallel, plan.data_parallel
     grid = []
+    dp = plan.data_parallel
     for d in range(dp):
         row = []
         for s in range(plan.pipeline_parallel):
@@ -116,22 +116,25 @@ def _crossings(cluster: Cluster, pairs: list[tuple[str, str]]) -> int:
 
 def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]]) -> list[list[StageTiming]]:
     """Per (replica, stage): one micro-batch's forward and backward, and its sends."""
-    tp, pp, dp, mbs = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
+    pp, dp, mbs = plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
+    tps = plan.stage_tensor_parallel
     # Transfers that share inter-group links at a pipeline boundary run at the same time.
     boundary_crossings = [
-        tp * _crossings(cluster, [(grid[d][s].hosts[0], grid[d][s + 1].hosts[0]) for d in range(dp)])
+        max(tps[s], tps[s + 1]) * _crossings(cluster, [(grid[d][s].hosts[0], grid[d][s + 1].hosts[0]) for d in range(dp)])
         for s in range(pp - 1)
     ]
 
     def timing(slot: StageSlot) -> StageTiming:
-        s, d, host = slot.stage, slot.replica, slot.hosts[0]
+        s, d, host, tp = slot.stage, slot.replica, slot.hosts[0], tps[slot.stage]
         layer = costs.layer_cost(slot.device_type, host, tp, mbs, stage_recompute(plan, s, costs))
         forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
         if s == pp - 1:
             logits_f, logits_b = costs.logits_times(slot.device_type, tp, mbs)
             forward, backward = forward + logits_f, backward + logits_b
-        send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s]) if s < pp - 1 else 0.0
-        send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1]) if s > 0 else 0.0
+        send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
+                                      tps[s + 1]) if s < pp - 1 else 0.0
+        send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],
+                                      tps[s - 1]) if s > 0 else 0.0
         return StageTiming(forward, backward, send_f, send_b)
 
     return [[timing(slot) for slot in row] for row in grid]
@@ -164,22 +167,22 @@ def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: lis
                        timings: list[list[StageTiming]]) -> list[float]:
     """Exposed gradient synchronisation of each stage (its slowest tensor-parallel rank),
     plus the tied embedding's all-reduce on the first and last stage."""
-    tp, pp, dp = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel
+    pp, dp, tps = plan.pipeline_parallel, plan.data_parallel, plan.stage_tensor_parallel
     model = costs.model
-    hosts = [[[grid[d][s].hosts[t] for d in range(dp)] for t in range(tp)] for s in range(pp)]
-    crossing_groups = sum(1 for s in range(pp) for t in range(tp)
+    hosts = [[[grid[d][s].hosts[t] for d in range(dp)] for t in range(tps[s])] for s in range(pp)]
+    crossing_groups = sum(1 for s in range(pp) for t in range(tps[s])
                           if len({cluster.node(h).group for h in hosts[s][t]}) > 1)
     reduce_s = []
     for s in range(pp):
-        params = stage_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp) / tp
+        params = stage_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp) / tps[s]
         last_backward = min(timings[d][s].backward_s for d in range(dp))
         reduce_s.append(max(
             costs.gradient_sync(costs.allreduce_terms(tuple(hosts[s][t]), crossing_groups), params, dp, last_backward)
-            for t in range(tp)))
-    if pp > 1 and not model.untie_embeddings_and_output_weights:
-        table = model.vocab_size * model.hidden_size / tp * costs.setup.grad_bytes
+            for t in range(tps[s])))
+    if pp > 1 and not model.untie_embeddings_and_output_weights:  # first and last stage share a degree
+        table = model.vocab_size * model.hidden_size / tps[0] * costs.setup.grad_bytes
         tie = max(costs.group_allreduce([grid[d][0].hosts[t], grid[d][-1].hosts[t]], table)
-                  for d in range(dp) for t in range(tp))
+                  for d in range(dp) for t in range(tps[0]))
         reduce_s[0] += tie
         reduce_s[-1] += tie
     return reduce_s
@@ -191,7 +194,7 @@ def optimizer_time(plan: Plan, costs: CostModel, grid: list[list[StageSlot]]) ->
     return max(
         costs.optimizer_step(slot.device_type, stage_params(
             costs, plan.stages[slot.stage].num_layers, slot.stage == 0, slot.stage == pp - 1, pp)
-            / plan.tensor_parallel / share)
+            / plan.stage_tensor_parallel[slot.stage] / share)
         for row in grid for slot in row)
 
 
@@ -207,7 +210,7 @@ def slot_memories(plan: Plan, costs: CostModel,
             key = (slot.vendor, s, min(m, pp - s) if costs.setup.virtual_stages == 1 else m)
             if key not in memories:
                 memories[key] = rank_memory(
-                    costs, vendor=slot.vendor, tensor_parallel=plan.tensor_parallel,
+                    costs, vendor=slot.vendor, tensor_parallel=plan.stage_tensor_parallel[s],
                     data_parallel=plan.data_parallel, micro_batch_size=plan.micro_batch_size,
                     num_layers=plan.stages[s].num_layers, stage=s, num_stages=pp, num_micro_batches=m,
                     recompute=stage_recompute(plan, s, costs))
@@ -248,7 +251,7 @@ def model_tflops(plan: Plan, costs: CostModel, grid: list[list[StageSlot]], iter
         for slot in row:
             work = plan.stages[slot.stage].num_layers * layer_flops + (logits_flops if slot.stage == pp - 1 else 0)
             flops[slot.device_type] = flops.get(slot.device_type, 0.0) + plan.replicas[d].num_micro_batches * tokens * work
-            devices[slot.device_type] = devices.get(slot.device_type, 0) + plan.tensor_parallel
+            devices[slot.device_type] = devices.get(slot.device_type, 0) + plan.stage_tensor_parallel[slot.stage]
     return {k: flops[k] / devices[k] / iteration_s / 1e12 for k in flops}
 
 

@@ -68,8 +68,10 @@ def cpu_devices(n: int, host: str = "localhost") -> list[dict]:
     return [{"host": host, "device_type": "cpu", "vendor": "cpu", "nic": "loopback"}] * n
 
 
-def make_plan(tp: int, pp: int, dp: int, stages, replicas, rank_order, devices=None, mbs: int = 2) -> dict:
-    return {
+def make_plan(tp: int, pp: int, dp: int, stages, replicas, rank_order, devices=None, mbs: int = 2,
+              stage_tp: list[int] | None = None) -> dict:
+    """A plan dict; stage_tp gives each stage its own tensor-parallel degree (version 3)."""
+    plan = {
         "version": 1,
         "tensor_parallel": tp,
         "pipeline_parallel": pp,
@@ -78,8 +80,13 @@ def make_plan(tp: int, pp: int, dp: int, stages, replicas, rank_order, devices=N
         "stages": [{"num_layers": n} for n in stages],
         "replicas": [{"num_micro_batches": n} for n in replicas],
         "rank_order": rank_order,
-        "devices": devices or cpu_devices(tp * pp * dp),
+        "devices": devices or cpu_devices(dp * (sum(stage_tp) if stage_tp else tp * pp)),
     }
+    if stage_tp:
+        plan["version"] = 3
+        for stage, degree in zip(plan["stages"], stage_tp):
+            stage["tensor_parallel"] = degree
+    return plan
 
 
 class JobServer:

@@ -59,7 +59,7 @@ def test_megatron_core_accepts_the_layout():
         ({"devices": [{"host": "a", "device_type": "cpu", "vendor": "cpu"}] * 7},
          "devices has 7 entries"),
         ({"tensor_parallel": "two"}, "tensor_parallel: Input should be a valid integer"),
-        ({"version": 3}, "plan version 3 is not supported"),
+        ({"version": 4}, "plan version 4 is not supported"),
     ],
 )
 def test_malformed_plans_name_the_field(change, fragment):

@@ -389,6 +389,8 @@ def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
                                     plan.global_batch_size)
     args.num_layers = _agree("--num-layers", args.num_layers, plan.num_layers)
     args.data_parallel_size = plan.data_parallel
+    # --tensor-model-parallel-size is the job's degree; a version 3 plan may give stages their own.
+    args.stage_tensor_parallel_sizes = plan.stage_tensor_parallel
 
 
 def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
@@ -419,10 +421,29 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
             "model it was made for, or regenerate it with hetero-plan --model ... --precision ..."
         )
     check_precision_supported(args, plan)
+    check_per_stage_tensor_parallel(args, plan)
     if training.get("distributed_optimizer"):
         args.use_distributed_optimizer = True  # the plan's memory assumes it
-    if training.get("sequence_parallel") and plan.tensor_parallel > 1:
+    if training.get("sequence_parallel") and plan.max_tensor_parallel > 1:
         args.sequence_parallel = True  # so do its activation memory and transfers
+
+
+def check_per_stage_tensor_parallel(args: argparse.Namespace, plan: Plan) -> None:
+    """What a plan whose stages differ in tensor-parallel degree cannot do (yet), refused on
+    every rank alike before any process group exists."""
+    if not plan.per_stage_tensor_parallel:
+        return
+    degrees = plan.stage_tensor_parallel
+    if degrees[0] != degrees[-1] and not args.untie_embeddings_and_output_weights:
+        raise HeteroError(
+            f"the plan's first and last stages have tensor-parallel degrees {degrees[0]} and {degrees[-1]}, "
+            "but the input embedding and the output layer share one weight, which megatron-core keeps "
+            "equal by summing the two stages' gradient shards element by element (it needs the same "
+            "sharding on both); add --untie-embeddings-and-output-weights, or give the first and last "
+            "stage the same degree")
+    if args.num_experts is not None:
+        raise HeteroError("--num-experts with a tensor-parallel degree per stage: expert groups are built "
+                          "from one grid in megatron-core; give every stage the same degree")
 
 
 def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
@@ -480,12 +501,13 @@ def validate_args(args: argparse.Namespace) -> None:
         raise HeteroError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--num-query-groups {args.num_query_groups}")
-    tp = args.tensor_model_parallel_size
-    for name, value in (("--num-attention-heads", args.num_attention_heads),
-                        ("--num-query-groups", args.num_query_groups),
-                        ("--ffn-hidden-size", args.ffn_hidden_size)):
-        if value % tp:
-            raise HeteroError(f"{name} {value} is not divisible by the tensor-parallel size {tp}")
+    for tp in tensor_parallel_sizes(args):
+        for name, value in (("--num-attention-heads", args.num_attention_heads),
+                            ("--num-query-groups", args.num_query_groups),
+                            ("--ffn-hidden-size", args.ffn_hidden_size)):
+            if value % tp:
+                raise HeteroError(f"{name} {value} is not divisible by the tensor-parallel size {tp}"
+                                  + (" of a stage of the plan" if tp != args.tensor_model_parallel_size else ""))
     if args.mock_data == bool(args.data_path):
         raise HeteroError("give exactly one of --mock-data or --data-path PREFIX [...]")
     if args.tokenizer_type is None:  # pretrain_gpt.py's default in Megatron-LM
@@ -583,7 +605,7 @@ def _validate_moe(args: argparse.Namespace) -> None:
             "expert MLP adds the bias in place to a tensor-parallel view and fails in autograd; "
             "add --disable-bias-linear (as MoE recipes do) or use --transformer-impl "
             "transformer_engine on GPUs")
-    if args.add_bias_linear and args.tensor_model_parallel_size > 1:
+    if args.add_bias_linear and max(tensor_parallel_sizes(args)) > 1:
         raise HeteroError("MoE with biases needs expert tensor-parallel size 1 (megatron-core); "
                           "with tensor parallelism add --disable-bias-linear")
     if args.moe_token_dispatcher_type == "flex":
@@ -632,9 +654,18 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         args.no_load_optim = True  # as Megatron-LM: evaluation needs no optimizer state
 
 
+def tensor_parallel_sizes(args: argparse.Namespace) -> list[int]:
+    """The distinct tensor-parallel degrees of the job's stages (one, unless the plan gives
+    stages their own)."""
+    return sorted(set(getattr(args, "stage_tensor_parallel_sizes", None) or [args.tensor_model_parallel_size]))
+
+
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
-    """Megatron-LM's rule: pad to a multiple of make-vocab-size-divisible-by x TP."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    """Megatron-LM's rule: pad to a multiple of make-vocab-size-divisible-by x TP. With a
+    degree per stage, x the least common multiple of the degrees (the largest, for powers
+    of two): every stage then shards the same vocabulary evenly, so every plan of one model
+    trains the same model."""
+    multiple = args.make_vocab_size_divisible_by * math.lcm(*tensor_parallel_sizes(args))
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

@@ -63,12 +63,18 @@ from megatron.hetero.checkpoint_manifest import (
     verify_manifest,
     write_manifest,
 )
+from megatron.hetero import stage_tensor_parallel
 from megatron.hetero.log import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Each parameter's optimizer state stored as a slice of the whole parameter: loads under
 # any TP/PP/DP layout (and without the distributed optimizer).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Every decoder layer under its own keys (decoder.layers.<i>.*), not stacked along a layer
+# axis: one stacked tensor would be cut by each stage's tensor-parallel degree, which
+# megatron-core's regular sharding grid cannot describe when stages differ (plan version 3).
+# Per-layer keys hold one stage's shards each, so any plan loads any other's checkpoint.
+MODEL_SHARDING = {"singleton_local_shards": True}
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
@@ -124,13 +130,22 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _layout() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """((pp, tp, dp) sizes, this rank's (pp, tp, dp) ranks)."""
+    """((pp, tp, dp) sizes, this rank's (pp, tp, dp) ranks); tp is the widest stage's
+    under a per-stage grid (_stage_degrees says which)."""
     ps = parallel_state
-    sizes = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+    grid = stage_tensor_parallel.active_plan()
+    sizes = (ps.get_pipeline_model_parallel_world_size(),
+             grid.max_tensor_parallel if grid else ps.get_tensor_model_parallel_world_size(),
              ps.get_data_parallel_world_size())
     ranks = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
              ps.get_data_parallel_rank())
     return sizes, ranks
+
+
+def _stage_degrees() -> list[int] | None:
+    """Each stage's tensor-parallel degree under a per-stage grid, else None."""
+    grid = stage_tensor_parallel.active_plan()
+    return grid.stage_tensor_parallel if grid else None
 
 
 def model_shape(args: argparse.Namespace) -> dict:
@@ -144,13 +159,15 @@ def model_shape(args: argparse.Namespace) -> dict:
 def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool, rng: bool,
            extra: dict | None = None) -> dict:
     # The bare GPTModel: names must not depend on the DDP / mixed-precision wrappers.
-    model_state = unwrap_model(model).sharded_state_dict()
+    model_state = unwrap_model(model).sharded_state_dict(metadata=MODEL_SHARDING)
     state = {"model": model_state, "opt_param_scheduler": scheduler.state_dict(), **(extra or {})}
     if optimizer_state:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading,
                                                           metadata=OPTIMIZER_SHARDING)
     if rng:
         sizes, ranks = _layout()
+        if stage_tensor_parallel.active_plan() is not None:  # no (pp, tp, dp) box: one per rank
+            sizes, ranks = (dist.get_world_size(),), (dist.get_rank(),)
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), sizes, ranks, replica_id=0)
     return state
 
@@ -268,7 +285,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     state = _state(model, optimizer, scheduler, loading=False, optimizer_state=True, rng=True, extra={
         "iteration": iteration,
         "checkpoint_version": 3.0,
-        "hetero": {"model_shape": model_shape(args), "layout": list(sizes), "plan": plan.to_dict(),
+        "hetero": {"model_shape": model_shape(args), "layout": list(sizes),
+                   "stage_tensor_parallel": _stage_degrees(), "plan": plan.to_dict(),
                    "distributed_optimizer": bool(args.use_distributed_optimizer)},
     })
     try:
@@ -348,7 +366,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
             "with the flags it was written with, or point --load at a checkpoint of this model"
         )
     sizes, _ = _layout()
-    same_layout = list(sizes) == saved.get("layout")
+    same_layout = list(sizes) == saved.get("layout") and _stage_degrees() == saved.get("stage_tensor_parallel")
     restore_rng = same_layout and not args.no_load_rng and not args.finetune
     restore_optimizer = not args.no_load_optim and not args.finetune
     saved_sharded = saved.get("distributed_optimizer")
@@ -389,8 +407,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     if restore_rng:
         _set_rng_state(loaded["rng_state"])
     elif not same_layout:
-        print_rank_0(f"  the checkpoint was written under layout (PP, TP, DP) = {tuple(saved.get('layout', ()))}; "
-                     f"this run is {sizes}: tensors re-sharded, random streams start from --seed")
+        theirs_tp, ours_tp = saved.get("stage_tensor_parallel"), _stage_degrees()
+        print_rank_0(f"  the checkpoint was written under layout (PP, TP, DP) = {tuple(saved.get('layout', ()))}"
+                     + (f", stage TP {theirs_tp}" if theirs_tp else "") + f"; this run is {sizes}"
+                     + (f", stage TP {ours_tp}" if ours_tp else "") + ": tensors re-sharded, random streams "
+                     "start from --seed")
     seconds = time.perf_counter() - start
     print_rank_0(f"  successfully loaded checkpoint from {root} [ t {sizes[1]}, p {sizes[0]}, "
                  f"d {sizes[2]} ] at iteration {iteration} ({seconds:.2f} s)")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hetero.devices import CPU, device_type_matches
 from hetero.errors import HeteroError
 from hetero.plan import Plan
+from megatron.hetero import stage_tensor_parallel
 
 
 _MAX_REPORTED_MISMATCHES = 8
@@ -239,11 +240,13 @@ def initialize(
     backend: str | None,
     timeout: timedelta,
     check_devices: bool = True,
+    sequence_parallel: bool = False,
 ) -> RankContext:
     """Checks the launch against the plan, then creates every process group.
 
     check_devices=False is for the uniform plan made up for a plan-less launch, which
-    has no device expectations.
+    has no device expectations. sequence_parallel: how activations cross stages of
+    different tensor-parallel degree (stage_tensor_parallel.py).
     """
     from megatron.core import parallel_state
 
@@ -273,14 +276,22 @@ def initialize(
         world_size=launch.world_size,
         timeout=timeout,
     )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=plan.tensor_parallel,
-        pipeline_model_parallel_size=plan.pipeline_parallel,
-        # Model chunks per pipeline rank of the interleaved schedule (None: plain 1F1B);
-        # get_forward_backward_func picks the schedule from it.
-        virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
-        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
-    )
+    minutes = max(1, int(timeout.total_seconds() // 60))
+    if plan.per_stage_tensor_parallel:
+        # The groups come from the plan's grid (patch parallel-state-groups-from-per-stage-grid);
+        # sizes of 1 only keep megatron-core's divisibility checks of one grid quiet.
+        stage_tensor_parallel.use_plan_grid(plan, sequence_parallel)
+        parallel_state.initialize_model_parallel(distributed_timeout_minutes=minutes)
+        stage_tensor_parallel.finish_plan_grid(timeout)
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tensor_parallel,
+            pipeline_model_parallel_size=plan.pipeline_parallel,
+            # Model chunks per pipeline rank of the interleaved schedule (None: plain 1F1B);
+            # get_forward_backward_func picks the schedule from it.
+            virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
+            distributed_timeout_minutes=minutes,
+        )
     coords = plan.coords(logical_rank)
     assert (
         parallel_state.get_tensor_model_parallel_rank(),

@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.hetero import stage_tensor_parallel
 from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
 from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.weights import initialize_plan_independent
@@ -63,7 +64,7 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
         init_method_std=args.init_method_std,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        tensor_model_parallel_size=plan.tensor_parallel,
+        tensor_model_parallel_size=plan.stage_tensor_parallel[parallel_state.get_pipeline_model_parallel_rank()],
         pipeline_model_parallel_size=plan.pipeline_parallel,
         pipeline_model_parallel_layout=plan.pipeline_layout() if plan.pipeline_parallel > 1 else None,
         pipeline_dtype=params_dtype,
@@ -184,6 +185,8 @@ def _traced_finalize_model_grads(*args, **kwargs):
     busy time of the iteration ends (timed when an iteration is traced)."""
     BUSY.reduction_starts()
     with TRACE.span("reduce"):
+        if stage_tensor_parallel.active_plan() is not None:
+            return stage_tensor_parallel.finalize_model_grads_on_plan_grid(finalize_model_grads, *args, **kwargs)
         return finalize_model_grads(*args, **kwargs)
 
 

@@ -312,6 +312,25 @@ def _apply_schedule_trace() -> object:
     return wrap_schedule_functions()
 
 
+def _apply_plan_rank_generator() -> object:
+    from megatron.core import parallel_state
+
+    from megatron.hetero.stage_tensor_parallel import plan_rank_generator
+
+    parallel_state.RankGenerator = plan_rank_generator(parallel_state.RankGenerator)
+    return parallel_state.RankGenerator
+
+
+def _apply_resharding_p2p() -> object:
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    from megatron.hetero.stage_tensor_parallel import resharding_communicator
+
+    resharding = resharding_communicator(p2p_communication.P2PCommunicator)
+    p2p_communication.P2PCommunicator = schedules.P2PCommunicator = resharding
+    return resharding
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -424,6 +443,30 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_schedule_trace,
+    ),
+    Patch(
+        name="parallel-state-groups-from-per-stage-grid",
+        why=(
+            "megatron-core builds every process group from one TP x DP x PP grid; a plan whose "
+            "stages differ in tensor-parallel degree has none. RankGenerator.get_ranks answers "
+            "from the plan's grid instead (stage_tensor_parallel.rank_groups), so "
+            "initialize_model_parallel builds the TP, DP, pipeline, model-parallel and embedding "
+            "groups of each stage itself. Inert unless such a plan is installed"
+        ),
+        needed=lambda: True,
+        apply=_apply_plan_rank_generator,
+    ),
+    Patch(
+        name="p2p-reshards-between-stage-degrees",
+        why=(
+            "megatron-core's P2PCommunicator sends a stage's whole activation to one rank of the "
+            "next stage; between stages of different tensor-parallel degree each receiving rank "
+            "needs its own slice (sequence parallel) or a copy from one sending rank. Its "
+            "_communicate moves those pieces under a per-stage plan (stage_tensor_parallel.py), "
+            "and is megatron-core's own otherwise"
+        ),
+        needed=lambda: True,
+        apply=_apply_resharding_p2p,
     ),
 )
 

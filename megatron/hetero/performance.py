@@ -82,7 +82,7 @@ def _check_uniform_recompute_groups(args: argparse.Namespace, plan: Plan) -> Non
 
 def _check_sequence_parallel(args: argparse.Namespace, plan: Plan) -> None:
     # Megatron-LM turns sequence parallelism off at TP=1 (its numerics would only change).
-    args.sequence_parallel_disabled = args.sequence_parallel and plan.tensor_parallel == 1
+    args.sequence_parallel_disabled = args.sequence_parallel and plan.max_tensor_parallel == 1
     if args.sequence_parallel_disabled:
         args.sequence_parallel = False
 
@@ -299,7 +299,8 @@ def transformer_fields(args: argparse.Namespace, plan: Plan, pp_rank: int, trans
     from megatron.core.transformer.enums import AttnBackend
 
     fields = {
-        "sequence_parallel": args.sequence_parallel,
+        # A TP=1 stage of a per-stage plan holds whole sequences (megatron-core refuses SP there).
+        "sequence_parallel": args.sequence_parallel and plan.stage_tensor_parallel[pp_rank] > 1,
         "virtual_pipeline_model_parallel_size": plan.virtual_pipeline_size,
         "overlap_p2p_comm": args.overlap_p2p_comm and plan.virtual_pipeline_size is not None,
         "batch_p2p_comm": not (args.overlap_p2p_comm and plan.virtual_pipeline_size is not None),
@@ -346,7 +347,8 @@ def startup_lines(args: argparse.Namespace, plan: Plan, transformer_impl: str) -
         lines.append("> --sequence-parallel: disabled because tensor-model-parallel size is 1 "
                      "(as Megatron-LM)")
     elif args.sequence_parallel:
-        lines.append(f"> sequence parallelism over tensor-parallel size {plan.tensor_parallel}")
+        sizes = "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel
+        lines.append(f"> sequence parallelism over tensor-parallel size {sizes}")
     stages = [describe_recompute(recompute_fields(args, plan, s)) for s in range(plan.pipeline_parallel)]
     if any(s != "none" for s in stages):
         lines.append("> activation recomputation per stage: "

@@ -583,6 +583,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         args.distributed_backend,
         timedelta(minutes=args.distributed_timeout_minutes),
         check_devices=plan_source is not None,
+        sequence_parallel=args.sequence_parallel,
     )
     watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                         exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None).start()
