@@ -2,6 +2,7 @@
 
     python bench/plan_bench.py            # every scenario (a few minutes on 2 cores)
     python bench/plan_bench.py --quick    # the two search-speed targets only
+    python bench/plan_bench.py --per-stage-tp   # Sailor-like rows without and with per-stage TP
 
 Each row plans the job with the same predictor that computes its Megatron baseline
 (uniform layers, launch-order ranks, equal micro-batches, best degrees) and HetHub's
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hetero.cli import plan_job  # noqa: E402
+from hetero.planner import PlannerOptions  # noqa: E402
 from hetero.cluster import Cluster  # noqa: E402
 from hetero.model import load_model  # noqa: E402
 
@@ -44,7 +46,11 @@ QUICK = {"Sailor-like 512", "4 types, 4096"}
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the search-speed targets")
+    parser.add_argument("--per-stage-tp", action="store_true",
+                        help="the Sailor-like scenarios planned without and with a degree per stage")
     args = parser.parse_args()
+    if args.per_stage_tp:
+        return per_stage_tensor_parallel()
     header = (f"{'scenario':16} {'devices':>7} {'model':11} {'search s':>8} {'total s':>8} {'CPU s':>7} "
               f"{'tokens/s':>11} {'% of UB':>7} {'vs Megatron':>11}  plan")
     print(header)
@@ -70,12 +76,39 @@ def main() -> int:
             speedup = "cannot fit"  # no uniform Megatron plan fits the cluster
         training = p.model_extra["training"]
         recompute = sorted({getattr(st, "recompute", None) or "none" for st in p.stages})
-        layout = (f"TP{p.tensor_parallel} PP{p.pipeline_parallel} DP{p.data_parallel} "
+        layout = (f"TP{degrees(p)} PP{p.pipeline_parallel} DP{p.data_parallel} "
                   f"mb{p.micro_batch_size} v{training['virtual_stages']} "
                   f"{'SP ' if training['sequence_parallel'] else ''}recompute {'/'.join(recompute)} "
                   f"{training['precision']} {provenance['family']}")
         print(f"{name:16} {cluster.num_devices:7d} {model_name:11} {provenance['search_time_s']:8.2f} "
               f"{total:8.1f} {cpu:7.1f} {info['tokens_per_s']:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
+    return 0
+
+
+def degrees(plan) -> str:
+    return "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else str(plan.tensor_parallel)
+
+
+def per_stage_tensor_parallel() -> int:
+    """Issue 2.5's comparison: one degree for the job vs a degree per stage (the planner's
+    own search either way), predicted by the one cost model."""
+    print(f"{'scenario':29} {'one TP: tokens/s':>17} {'per-stage: tokens/s':>20} {'speed-up':>8} "
+          f"{'search s':>8}  per-stage plan")
+    scenarios = [(f"{name} {model_name}", cluster_file, model_name, gbs, seq)
+                 for name, cluster_file, _, gbs, seq in SCENARIOS if name.startswith("Sailor")
+                 for model_name in ("opt-350m", "gpt-neo-2.7b", "llama2-7b")]
+    for name, cluster_file, model_name, gbs, seq in scenarios:
+        cluster = Cluster.load(CLUSTERS / cluster_file)
+        model = load_model(model_name).with_seq_length(seq)
+        jobs = [plan_job(cluster, model, gbs, PlannerOptions(per_stage_tensor_parallel=flag),
+                         with_baseline=False, with_upper_bound=False, precision=None) for flag in (False, True)]
+        (one, _), (mixed, _) = [(j.plan.model_extra["prediction"]["tokens_per_s"], j) for j in jobs]
+        plan = jobs[1].plan
+        layers = "/".join(str(st.num_layers) for st in plan.stages)
+        print(f"{name:29} {one:17,.0f} {mixed:20,.0f} {mixed / one:7.2f}x "
+              f"{plan.model_extra['provenance']['search_time_s']:8.2f}  TP{degrees(plan)} PP{plan.pipeline_parallel} "
+              f"DP{plan.data_parallel} layers {layers} (one TP: TP{degrees(jobs[0].plan)} "
+              f"PP{jobs[0].plan.pipeline_parallel} DP{jobs[0].plan.data_parallel})", flush=True)
     return 0
 
 

@@ -286,6 +286,10 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt-3.6b": _gpt(30, 3072, 32),  # Holmes' GPT-3.6B
     "gpt-7.5b": _gpt(36, 4096, 32),
     "gpt-39b": _gpt(48, 8192, 64),
+    # Sailor's models (Strati et al. 2025), as GPT shapes: OPT-350M (Zhang et al. 2022; its
+    # 512-wide embedding projection left out) and GPT-Neo-2.7B (Black et al. 2021).
+    "opt-350m": _gpt(24, 1024, 16),
+    "gpt-neo-2.7b": _gpt(32, 2560, 20),
     "llama2-7b": _llama(32, 4096, 32, 11008),
     "llama2-13b": _llama(40, 5120, 40, 13824),
     "llama2-70b": _llama(80, 8192, 64, 28672, groups=8),

@@ -17,7 +17,7 @@ placing every slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 from hetero.cluster import Cluster
 from hetero.plan import PLAN_VERSION, DeviceEntry, Plan, ReplicaEntry, StageEntry, logical_rank_at
@@ -149,19 +149,30 @@ def representative_hosts(parts: Iterable[GroupPart], classes: list[ClassInfo]) -
 # ----- concrete placement ---------------------------------------------------------------
 
 
-def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int, micro_batch_size: int,
-          layers: list[int], replica_classes: list[tuple[int, ...]], micro_batches: list[int],
-          order: str) -> Plan:
-    """The plan with every (replica, stage) on a concrete tensor-parallel group."""
-    tp = tensor_parallel
+def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int | Sequence[int],
+          micro_batch_size: int, layers: list[int], replica_classes: list[tuple[int, ...]],
+          micro_batches: list[int], order: str) -> Plan:
+    """The plan with every (replica, stage) on a concrete tensor-parallel group.
+
+    tensor_parallel: one degree, or one per class (a stage takes its class's: replicas of
+    a stage must then be of classes of one degree); different stage degrees make a plan
+    version 3."""
+    degrees = [tensor_parallel] * len(classes) if isinstance(tensor_parallel, int) else list(tensor_parallel)
     dp, pp = len(replica_classes), len(layers)
+    stage_tp = []
+    for s in range(pp):
+        widths = {degrees[r[s]] for r in replica_classes}
+        if len(widths) > 1:
+            raise ValueError(f"stage {s}'s replicas are on classes of degrees {sorted(widths)}; "
+                             "a stage has one tensor-parallel degree")
+        stage_tp.append(widths.pop())
     key = (lambda ds: (ds[1], ds[0])) if order == "stage-major" else (lambda ds: ds)
     slots = sorted(((d, s) for d in range(dp) for s in range(pp)), key=key)
-    pools = {c: iter(classes[c].tp_groups(tp)) for c in {c for r in replica_classes for c in r}}
+    pools = {c: iter(classes[c].tp_groups(degrees[c])) for c in {c for r in replica_classes for c in r}}
     where = {(d, s): next(pools[replica_classes[d][s]]) for d, s in slots}
     used: dict[str, set[int]] = {}  # local devices used on each host
-    for host, first in where.values():
-        used.setdefault(host, set()).update(range(first, first + tp))
+    for (d, s), (host, first) in where.items():
+        used.setdefault(host, set()).update(range(first, first + stage_tp[s]))
     devices, launch_index = [], {}
     for node in cluster.nodes:  # launch order: node by node, local rank order
         if node.host not in used:
@@ -171,21 +182,23 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int, micr
         for local in sorted(used[node.host]):
             launch_index[(node.host, local)] = len(devices)
             devices.append(entry.model_copy())
-    rank_order = [0] * (tp * dp * pp)
+    rank_order = [0] * (dp * sum(stage_tp))
     for (d, s), (host, first) in where.items():
-        for t in range(tp):
-            rank_order[logical_rank_at(t, d, s, tp, dp)] = launch_index[(host, first + t)]
+        for t in range(stage_tp[s]):
+            rank_order[logical_rank_at(t, d, s, stage_tp, dp)] = launch_index[(host, first + t)]
 
     def types(members: Iterable[int]) -> list[str]:
         return sorted({classes[c].device_type for c in members})
 
+    per_stage = len(set(stage_tp)) > 1
     return Plan(
         version=PLAN_VERSION,
-        tensor_parallel=tp,
+        tensor_parallel=max(stage_tp) if per_stage else stage_tp[0],
         pipeline_parallel=pp,
         data_parallel=dp,
         micro_batch_size=micro_batch_size,
-        stages=[StageEntry(num_layers=n, device_types=types(r[s] for r in replica_classes))
+        stages=[StageEntry(num_layers=n, device_types=types(r[s] for r in replica_classes),
+                           tensor_parallel=stage_tp[s] if per_stage else None)
                 for s, n in enumerate(layers)],
         replicas=[ReplicaEntry(num_micro_batches=m, device_types=types(r))
                   for r, m in zip(replica_classes, micro_batches)],

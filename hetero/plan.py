@@ -57,7 +57,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -344,11 +344,11 @@ class Plan(BaseModel):
 
     def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         """The logical rank of tensor rank tp_rank of replica dp_rank in stage pp_rank."""
-        tp = self.stage_tensor_parallel[pp_rank]
-        if not (0 <= tp_rank < tp and 0 <= dp_rank < self.data_parallel):
-            raise ValueError(f"stage {pp_rank} has tensor ranks 0..{tp - 1} and replicas "
+        degrees = self.stage_tensor_parallel
+        if not (0 <= tp_rank < degrees[pp_rank] and 0 <= dp_rank < self.data_parallel):
+            raise ValueError(f"stage {pp_rank} has tensor ranks 0..{degrees[pp_rank] - 1} and replicas "
                              f"0..{self.data_parallel - 1}; asked for ({tp_rank}, {dp_rank})")
-        return self.stage_offset(pp_rank) + tp_rank + tp * dp_rank
+        return logical_rank_at(tp_rank, dp_rank, pp_rank, degrees, self.data_parallel)
 
     def tensor_group(self, dp_rank: int, pp_rank: int) -> list[int]:
         """Logical ranks of one (replica, stage): its tensor-parallel group."""
@@ -496,12 +496,14 @@ class Plan(BaseModel):
         )
 
 
-def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: int,
+def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: int | Sequence[int],
                     data_parallel: int) -> int:
-    """Megatron's default order: tensor fastest, then data, then pipeline. For code that
-    builds a plan's rank_order before the plan exists (placement); everyone else asks the
-    Plan."""
-    return tp_rank + tensor_parallel * (dp_rank + data_parallel * pp_rank)
+    """Megatron's default order: tensor fastest, then data, then pipeline; with a degree per
+    stage (tensor_parallel a list), stage s starts after the ranks of the stages before it.
+    For code that builds a plan's rank_order before the plan exists (placement); everyone
+    else asks the Plan."""
+    degrees = [tensor_parallel] * (pp_rank + 1) if isinstance(tensor_parallel, int) else tensor_parallel
+    return data_parallel * sum(degrees[:pp_rank]) + tp_rank + degrees[pp_rank] * dp_rank
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:

@@ -65,6 +65,12 @@ PLAN_RECOMPUTE = {"none": "none", "selective": "selective",
 FLOOR_ROUNDING = 1e-9
 
 
+Degrees = tuple[int, ...]
+"""A tensor-parallel degree per device class (Planner.classes order). Every stage of a plan
+takes its class's degree (plan version 3 when they differ); the job's settings follow the
+widest (sequence parallelism is on when any stage shards)."""
+
+
 @dataclass(frozen=True)
 class PlannerOptions:
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
@@ -84,6 +90,10 @@ class PlannerOptions:
     """How many of the best estimates overall the exact predictor judges..."""
     exact_per_family: int = 1
     """...plus this many of each family's best."""
+    per_stage_tensor_parallel: bool = True
+    """Also give each device class of a cross-class pipeline its own degree (plan version 3):
+    per class the smallest of `tensor_parallel` whose stage holds a layer, and the wider
+    ones where they are faster."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class Candidate:
     family: str
     order: str
     """Placement order the estimate assumed (placement.ORDERS)."""
-    tensor_parallel: int
+    degrees: Degrees
+    """Tensor-parallel degree of each device class."""
     micro_batch_size: int
     layers: list[int]
     replica_classes: list[tuple[int, ...]]
@@ -114,6 +125,15 @@ class Candidate:
     estimate_s: float
     recompute: list[str] | None = None
     """Recomputation of each stage (None: the setup's everywhere)."""
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The widest degree the candidate uses (its job settings follow it)."""
+        return max(self.degrees[c] for pattern in self.replica_classes for c in pattern)
+
+    def stage_degrees(self) -> list[int]:
+        """Each stage's degree (replicas of a stage share it: their classes' degrees agree)."""
+        return [self.degrees[c] for c in self.replica_classes[0]]
 
 
 @dataclass(frozen=True)
@@ -246,41 +266,50 @@ class Planner:
 
     # ----- per-class building blocks ------------------------------------------------------
 
-    def _layer_cost(self, c: int, tp: int, mbs: int, recompute: str | None = None) -> LayerCost:
-        key = (c, tp, mbs, recompute)
+    def _job_costs(self, tp: Degrees) -> CostModel:
+        """The cost model of the job's settings: those of its widest degree."""
+        return self.costs_for(max(tp))
+
+    def uniform(self, tensor_parallel: int) -> Degrees:
+        return (tensor_parallel,) * len(self.classes)
+
+    def _layer_cost(self, c: int, tp: Degrees, mbs: int, recompute: str | None = None) -> LayerCost:
+        key = (c, tp[c], max(tp), mbs, recompute)
         if key not in self._layer_costs:  # the search asks millions of times: one lookup
             cl = self.classes[c]
-            self._layer_costs[key] = self.costs_for(tp).layer_cost(cl.device_type, cl.hosts[0], tp, mbs, recompute)
+            self._layer_costs[key] = self._job_costs(tp).layer_cost(cl.device_type, cl.hosts[0], tp[c], mbs,
+                                                                    recompute)
         return self._layer_costs[key]
 
-    def _layer_time(self, c: int, tp: int, mbs: int, recompute: str | None = None) -> float:
+    def _layer_time(self, c: int, tp: Degrees, mbs: int, recompute: str | None = None) -> float:
         return self._layer_cost(c, tp, mbs, recompute).total_s
 
-    def _stage_layer_times(self, pattern: tuple[int, ...], modes: tuple[str, ...], tp: int,
+    def _stage_layer_times(self, pattern: tuple[int, ...], modes: tuple[str, ...], tp: Degrees,
                            mbs: int) -> list[float]:
         """One layer's time on each stage of a replica whose stages are on classes `pattern`."""
         return self._memo(("times", pattern, modes, tp, mbs), lambda: [
             self._layer_time(c, tp, mbs, mode) for c, mode in zip(pattern, modes)])
 
-    def _logits_time(self, c: int, tp: int, mbs: int) -> float:
-        return self._memo(("logits", c, tp, mbs),
-                          lambda: sum(self.costs_for(tp).logits_times(self.classes[c].device_type, tp, mbs)))
+    def _logits_time(self, c: int, tp: Degrees, mbs: int) -> float:
+        return self._memo(("logits", c, tp[c], max(tp), mbs),
+                          lambda: sum(self._job_costs(tp).logits_times(self.classes[c].device_type, tp[c], mbs)))
 
-    def _layer_cap(self, c: int, tp: int, mbs: int, dp: int, stage: int, stages: int,
+    def _layer_cap(self, c: int, tp: Degrees, mbs: int, dp: int, stage: int, stages: int,
                    recompute: str | None = None, num_micro_batches: int | None = None) -> int:
         """Most decoder layers stage `stage` can hold on a device of class c: the memory
         model's own answer (memory.layer_capacity), for the most micro-batches a replica
         runs (by default: could run)."""
         total_mb = num_micro_batches or self.global_batch_size // mbs
         in_flight_key = min(stages - stage, total_mb) if self.setup.virtual_stages == 1 else (stages - stage, total_mb)
-        key = ("cap", c, tp, mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1, recompute)
+        key = ("cap", c, tp[c], max(tp), mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1,
+               recompute)
         cl = self.classes[c]
         return self._memo(key, lambda: layer_capacity(
-            self.costs_for(tp), self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
-            tensor_parallel=tp, data_parallel=dp, micro_batch_size=mbs, stage=stage,
+            self._job_costs(tp), self.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
+            tensor_parallel=tp[c], data_parallel=dp, micro_batch_size=mbs, stage=stage,
             num_stages=stages, num_micro_batches=total_mb, recompute=recompute))
 
-    def _stage_caps(self, c: int, tp: int, mbs: int, dp: int, stages: int, recompute: str) -> list[int]:
+    def _stage_caps(self, c: int, tp: Degrees, mbs: int, dp: int, stages: int, recompute: str) -> list[int]:
         """_layer_cap of every stage of a pipeline this deep: the memory model's bilinear
         terms per kind of stage (memory.stage_memory_terms), evaluated at each stage's
         micro-batches in flight. The memory model sees a class only through its vendor and
@@ -293,23 +322,25 @@ class Planner:
             v = self.setup.virtual_stages
             ends = [(s == 0, s == stages - 1) for s in range(stages)]
             terms = {(first, last): self._memo(
-                ("terms", vendor, tp, mbs, dp, recompute, first, last), lambda: stage_memory_terms(
-                    self.costs_for(tp), first=first, last=last, vendor=vendor, tensor_parallel=tp,
+                ("terms", vendor, tp[c], max(tp), mbs, dp, recompute, first, last), lambda: stage_memory_terms(
+                    self._job_costs(tp), first=first, last=last, vendor=vendor, tensor_parallel=tp[c],
                     data_parallel=dp, micro_batch_size=mbs, recompute=recompute)) for first, last in set(ends)}
             return [terms[end].capacity(memory_gib, micro_batches_in_flight(s, stages, total_mb, v))
                     for s, end in enumerate(ends)]
-        return self._memo(("caps", vendor, memory_gib, tp, mbs, dp, stages, recompute), compute)
+        return self._memo(("caps", vendor, memory_gib, tp[c], max(tp), mbs, dp, stages, recompute), compute)
 
-    def _send_time(self, a: int, b: int, tp: int, mbs: int, same_node: bool, crossings: int) -> float:
-        """One activation across a pipeline boundary from class a to class b."""
-        key = ("send", a, b, tp, mbs, same_node, crossings)
+    def _send_time(self, a: int, b: int, tp: Degrees, mbs: int, same_node: bool, crossings: int) -> float:
+        """One activation across a pipeline boundary from class a to class b (re-sharded
+        when their degrees differ)."""
+        key = ("send", a, b, tp[a], tp[b], max(tp), mbs, same_node, crossings)
         if key not in self._cache:
             ca, cb = self.classes[a], self.classes[b]
+            costs = self._job_costs(tp)
             if a == b:
                 other = ca.hosts[0] if same_node or len(ca.hosts) == 1 else ca.hosts[1]
-                self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], other, tp, mbs)
+                self._cache[key] = costs.stage_transfer(ca.hosts[0], other, tp[a], mbs)
             else:
-                self._cache[key] = self.costs_for(tp).stage_transfer(ca.hosts[0], cb.hosts[0], tp, mbs, crossings)
+                self._cache[key] = costs.stage_transfer(ca.hosts[0], cb.hosts[0], tp[a], mbs, crossings, tp[b])
         return self._cache[key]
 
     def _classes_at_stages(self, patterns: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
@@ -337,7 +368,7 @@ class Planner:
 
     # ----- judging a shape --------------------------------------------------------------
 
-    def _judge(self, family: str, order: str, tp: int, mbs: int,
+    def _judge(self, family: str, order: str, tp: Degrees, mbs: int,
                patterns: list[tuple[tuple[int, ...], int]], dp_parts: list[tuple[GroupPart, ...]],
                same_node: dict[int, bool], sweep: "_StageSweep | None" = None) -> Candidate | None:
         """Stage split, micro-batches and an estimated iteration time.
@@ -379,7 +410,7 @@ class Planner:
             sweep.record(candidate.estimate_s)
         return candidate
 
-    def _fit_pipeline(self, tp: int, mbs: int, patterns: list[tuple[tuple[int, ...], int]],
+    def _fit_pipeline(self, tp: Degrees, mbs: int, patterns: list[tuple[tuple[int, ...], int]],
                       same_node: tuple[tuple[int, bool], ...]) -> "_Pipeline | None":
         """The stages' caps and recomputation, and a floor of the pipeline's time; None if
         the layers cannot fit. same_node: _judge's, as sorted (class, shares) pairs."""
@@ -390,26 +421,26 @@ class Planner:
         if fitting is None:
             return None
         caps, modes = fitting
-        crossings = d * tp  # every replica's transfer at a boundary runs at once
+        crossings = d * max(tp)  # every replica's transfer at a boundary runs at once
         sends = {p: self._pattern_sends(p, tp, mbs, same_node, crossings) for p in distinct}
         times = {p: self._stage_layer_times(p, modes, tp, mbs) for p in distinct}
         counts = _replica_counts(patterns)
         floor = self._pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs)
         return _Pipeline(at_stage, counts, sends, times, caps, modes, floor)
 
-    def _loose_floor(self, tp: int, mbs: int, patterns: list[tuple[tuple[int, ...], int]],
+    def _loose_floor(self, tp: Degrees, mbs: int, patterns: list[tuple[tuple[int, ...], int]],
                      same_node: tuple[tuple[int, bool], ...]) -> float:
         """_Pipeline.floor before knowing the memory: every stage under its fastest
         recomputation, with room for all the layers."""
         counts = _replica_counts(patterns)
-        sends = {p: self._pattern_sends(p, tp, mbs, same_node, sum(counts.values()) * tp) for p in counts}
+        sends = {p: self._pattern_sends(p, tp, mbs, same_node, sum(counts.values()) * max(tp)) for p in counts}
         fastest = {c: min(self._layer_time(c, tp, mbs, mode) for mode in self._recompute_modes)
                    for c in set().union(*counts)}
         times = {p: [fastest[c] for c in p] for p in counts}
         caps = [self.model.num_layers] * len(patterns[0][0])
         return self._pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs)
 
-    def _split_pipeline(self, tp: int, mbs: int, pipe: "_Pipeline"
+    def _split_pipeline(self, tp: Degrees, mbs: int, pipe: "_Pipeline"
                         ) -> tuple[list[int], dict[tuple[int, ...], list[int]], float] | None:
         """(layers per stage, micro-batches per replica of each pattern, seconds of the
         busiest replica), None if they cannot be split."""
@@ -425,15 +456,15 @@ class Planner:
             return None
         return layers, micro, max(shape[p][0] + max(micro[p]) * shape[p][1] for p in micro)
 
-    def _stage_group_terms(self, tp: int, dp_parts: list[tuple[GroupPart, ...]]) -> list[tuple[float, float]]:
+    def _stage_group_terms(self, tp: Degrees, dp_parts: list[tuple[GroupPart, ...]]) -> list[tuple[float, float]]:
         """Each stage's all-reduce terms; groups crossing fabrics share the links."""
         alike = collections.Counter(dp_parts)  # stages whose groups lie alike
         spanning = sum(n for parts, n in alike.items() if self._spans_groups(parts))
-        crossings = max(1, tp * spanning)
+        crossings = max(1, max(tp) * spanning)
         terms_of = {parts: self._group_terms(parts, crossings) for parts in alike}
         return [terms_of[parts] for parts in dp_parts]
 
-    def _pattern_sends(self, pattern: tuple[int, ...], tp: int, mbs: int,
+    def _pattern_sends(self, pattern: tuple[int, ...], tp: Degrees, mbs: int,
                        same_node: tuple[tuple[int, bool], ...], crossings: int) -> list[float]:
         """Each stage's transfers per micro-batch (its activation out, its gradient back)."""
         def compute() -> list[float]:
@@ -452,7 +483,7 @@ class Planner:
         return self._memo(("sends", pattern, tp, mbs, same_node, crossings), compute)
 
     def _pipeline_floor(self, counts: dict[tuple[int, ...], int], sends: dict[tuple[int, ...], list[float]],
-                        times: dict[tuple[int, ...], list[float]], caps: list[int], tp: int, mbs: int,
+                        times: dict[tuple[int, ...], list[float]], caps: list[int], tp: Degrees, mbs: int,
                         total_mb: int) -> float:
         """A lower bound on the pipeline part of _judge's estimate, whatever the layer split
         (within the stages' caps) and the micro-batch allocation. A replica of pattern p
@@ -490,7 +521,7 @@ class Planner:
     # The pieces of an estimate, shared by _judge (which also chooses the layout) and
     # estimate (a given plan).
 
-    def _replica_shape(self, pattern: tuple[int, ...], layers: list[int], modes: Sequence[str], tp: int,
+    def _replica_shape(self, pattern: tuple[int, ...], layers: list[int], modes: Sequence[str], tp: Degrees,
                        mbs: int, sends: list[float]) -> tuple[float, float]:
         """(fill, step) of a replica whose stages are on classes `pattern`: running m
         micro-batches takes about fill + m * step (the slowest stage paces the pipeline,
@@ -500,11 +531,12 @@ class Planner:
         work[-1] += self._logits_time(pattern[-1], tp, mbs)
         return sum(work) - max(work), max(work)
 
-    def _reduce_and_step(self, tp: int, mbs: int, d: int, layers: list[int], modes: list[str],
+    def _reduce_and_step(self, tp: Degrees, mbs: int, d: int, layers: list[int], modes: list[str],
                          at_stage: list[list[int]], terms: list[tuple[float, float]]) -> float:
         """The slowest stage's exposed gradient synchronisation plus the slowest optimizer
-        step: the same CostModel functions the predictor calls."""
-        costs, last = self.costs_for(tp), len(layers) - 1
+        step: the same CostModel functions the predictor calls. A stage's classes share
+        its degree."""
+        costs, last = self._job_costs(tp), len(layers) - 1
         # Stages alike (same group, classes, recomputation, ends) differ only in their
         # layer count, and the most layers take longest: judge one stage of each kind.
         heaviest: dict[tuple, int] = {}
@@ -513,11 +545,11 @@ class Planner:
             if kind not in heaviest or layers[s] > layers[heaviest[kind]]:
                 heaviest[kind] = s
         reduce = max(costs.gradient_sync(
-            terms[s], self._stage_params(layers, s) / tp, d,
+            terms[s], self._stage_params(layers, s) / tp[at_stage[s][0]], d,
             layers[s] * min(self._layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
             for s in heaviest.values())
         share = d if self.setup.distributed_optimizer else 1
-        optimizer = max(costs.optimizer_step(self.classes[c].device_type, self._stage_params(layers, s) / tp / share)
+        optimizer = max(costs.optimizer_step(self.classes[c].device_type, self._stage_params(layers, s) / tp[c] / share)
                         for s in heaviest.values() for c in at_stage[s])
         return reduce + optimizer
 
@@ -525,17 +557,19 @@ class Planner:
         """The fast estimate of a given plan (its layout, layers, micro-batches and
         recomputation as they are): (fits in memory, seconds per iteration). What the
         search ranks candidates by, applied to any plan: tests compare it with predict()."""
-        tp, pp, dp, mbs = plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
-        costs = self.costs_for(tp)
+        pp, dp, mbs = plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
         hosts = [[plan.stage_device(d, s).host for s in range(pp)] for d in range(dp)]
         patterns = [tuple(self._class_of[h] for h in row) for row in hosts]
+        degrees = {c: plan.stage_tensor_parallel[s] for pattern in patterns for s, c in enumerate(pattern)}
+        tp = tuple(degrees.get(c, plan.tensor_parallel) for c in range(len(self.classes)))
+        costs = self._job_costs(tp)
         at_stage = [sorted({p[s] for p in patterns}) for s in range(pp)]
         layers = [stage.num_layers for stage in plan.stages]
         modes = [stage_recompute(plan, s, costs) for s in range(pp)]
         fits = all(layers[s] <= self._layer_cap(pattern[s], tp, mbs, dp, s, pp, modes[s],
                                                 plan.replicas[d].num_micro_batches)
                    for d, pattern in enumerate(patterns) for s in range(pp))
-        crossings = dp * tp
+        crossings = dp * max(tp)
         pipeline = 0.0
         for d, pattern in enumerate(patterns):
             sends = [0.0] * pp
@@ -547,10 +581,10 @@ class Planner:
             pipeline = max(pipeline, fill + plan.replicas[d].num_micro_batches * step)
         groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
         spanning = sum(len({self.cluster.node(h).group for h in g}) > 1 for g in groups)
-        terms = [costs.allreduce_terms(tuple(g), max(1, tp * spanning)) for g in groups]
+        terms = [costs.allreduce_terms(tuple(g), max(1, max(tp) * spanning)) for g in groups]
         return fits, pipeline + self._reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms)
 
-    def _recompute_to_fit(self, tp: int, mbs: int, d: int, at_stage: tuple[tuple[int, ...], ...]
+    def _recompute_to_fit(self, tp: Degrees, mbs: int, d: int, at_stage: tuple[tuple[int, ...], ...]
                           ) -> tuple[list[int], tuple[str, ...]] | None:
         """Each stage's layer cap and recomputation, None if no choice holds the layers:
         every stage starts with the cheapest mode; while the stages cannot hold the layers
@@ -559,7 +593,7 @@ class Planner:
         its backward grows). The same for every placement order of a shape: memoised."""
         return self._memo(("fit", tp, mbs, d, at_stage), lambda: self._escalate_recompute(tp, mbs, d, at_stage))
 
-    def _escalate_recompute(self, tp: int, mbs: int, d: int, at_stage: tuple[tuple[int, ...], ...]
+    def _escalate_recompute(self, tp: Degrees, mbs: int, d: int, at_stage: tuple[tuple[int, ...], ...]
                             ) -> tuple[list[int], tuple[str, ...]] | None:
         stages, modes_tried = len(at_stage), self._recompute_modes
         by_mode: dict[str, list[int]] = {}
@@ -593,11 +627,11 @@ class Planner:
 
     # ----- the three families -----------------------------------------------------------
 
-    def _per_node(self, c: int, tp: int) -> int:
-        return self.classes[c].devices_per_node // tp
+    def _per_node(self, c: int, tp: Degrees) -> int:
+        return self.classes[c].devices_per_node // tp[c]
 
-    def _cross_class(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
-        groups = {c: len(self.classes[c].tp_groups(tp)) for c in classes}
+    def _cross_class(self, tp: Degrees, mbs: int, classes: list[int]) -> Iterable[Candidate]:
+        groups = {c: len(self.classes[c].tp_groups(tp[c])) for c in classes}
         seen: set[tuple[int, ...]] = set()
         for d in range(1, max(groups.values()) + 1):
             k = tuple(groups[c] // d for c in classes)
@@ -610,13 +644,15 @@ class Planner:
             counts = dict(zip(classes, k))
             for class_order in self._class_orders(classes):
                 pattern = tuple(c for c in class_order for _ in range(counts[c]))
+                if tp[pattern[0]] != tp[pattern[-1]] and not self.model.untie_embeddings_and_output_weights:
+                    continue  # a tied embedding needs first and last stage of one degree (the runtime's rule)
                 for order in ORDERS:
                     parts, same = self._cross_class_layout(tp, pattern, d_use, order)
                     candidate = self._judge("cross-class", order, tp, mbs, [(pattern, d_use)], parts, same)
                     if candidate is not None:
                         yield candidate
 
-    def _cross_class_layout(self, tp: int, pattern: tuple[int, ...], replicas: int, order: str
+    def _cross_class_layout(self, tp: Degrees, pattern: tuple[int, ...], replicas: int, order: str
                             ) -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
         """Where each stage's data-parallel group lies, and whether a replica's consecutive
         stages of a class share a node: the same for every micro-batch size."""
@@ -648,8 +684,8 @@ class Planner:
     def _stage_counts(self) -> "_StageSweep":
         return _StageSweep(self.model.num_layers)
 
-    def _class_pure(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
-        groups = {c: len(self.classes[c].tp_groups(tp)) for c in classes}
+    def _class_pure(self, tp: Degrees, mbs: int, classes: list[int]) -> Iterable[Candidate]:
+        groups = {c: len(self.classes[c].tp_groups(tp[c])) for c in classes}
         sweep = self._stage_counts()
         for stages in sweep:
             replicas = {c: groups[c] // stages for c in sorted(classes) if groups[c] // stages}
@@ -662,7 +698,7 @@ class Planner:
                 if candidate is not None:
                     yield candidate
 
-    def _class_pure_layout(self, tp: int, stages: int, replicas: tuple[tuple[int, int], ...], order: str
+    def _class_pure_layout(self, tp: Degrees, stages: int, replicas: tuple[tuple[int, int], ...], order: str
                            ) -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
         """_cross_class_layout for class-pure replicas, `replicas`: (class, how many)."""
         def compute() -> tuple[list[tuple[GroupPart, ...]], dict[int, bool]]:
@@ -672,8 +708,8 @@ class Planner:
             return parts, same
         return self._memo(("class-pure layout", tp, stages, replicas, order), compute)
 
-    def _launch_order(self, tp: int, mbs: int, classes: list[int]) -> Iterable[Candidate]:
-        runs = launch_runs(self.cluster, self._class_of, set(classes), tp)
+    def _launch_order(self, tp: Degrees, mbs: int, classes: list[int]) -> Iterable[Candidate]:
+        runs = launch_runs(self.cluster, self._class_of, set(classes), max(tp))
         total = runs[-1].end_group if runs else 0
         sweep = self._stage_counts()
         for stages in sweep:
@@ -690,7 +726,7 @@ class Planner:
     # ----- from a candidate to a plan -----------------------------------------------------
 
     def materialize(self, candidate: Candidate, order: str) -> Plan:
-        plan = place(self.cluster, self.classes, candidate.tensor_parallel, candidate.micro_batch_size,
+        plan = place(self.cluster, self.classes, candidate.degrees, candidate.micro_batch_size,
                      candidate.layers, candidate.replica_classes, candidate.micro_batches, order)
         if candidate.recompute and any(mode != "none" for mode in candidate.recompute):
             data = plan.to_dict()
@@ -718,26 +754,51 @@ class Planner:
         everyone = list(range(len(self.classes)))
         subsets = [everyone] + ([[c for c in everyone if c != drop] for drop in everyone]
                                 if len(everyone) > 1 else [])
-        for tp in self.options.tensor_parallel:
+        for width in self.options.tensor_parallel:
+            tp = self.uniform(width)
             for mbs in self.options.micro_batch_sizes:
                 if self.global_batch_size % mbs:
                     continue
                 if progress:
-                    progress(f"TP={tp} micro-batch={mbs}")
+                    progress(f"TP={width} micro-batch={mbs}")
                 for subset in subsets:
-                    usable = [c for c in subset if self.classes[c].devices_per_node >= tp]
+                    usable = [c for c in subset if self.classes[c].devices_per_node >= width]
                     if not usable or (subset is not everyone and len(usable) == len(everyone)):
                         continue
                     found.extend(self._class_pure(tp, mbs, usable))
                     if len(usable) > 1:  # on one class the other families are the same plans
                         found.extend(self._cross_class(tp, mbs, usable))
                         found.extend(self._launch_order(tp, mbs, usable))
+        if self.options.per_stage_tensor_parallel and len(everyone) > 1:
+            for mbs in self.options.micro_batch_sizes:
+                if self.global_batch_size % mbs:
+                    continue
+                for tp in self._mixed_degrees(mbs):
+                    if progress:
+                        progress(f"TP per class {tp} micro-batch={mbs}")
+                    found.extend(self._cross_class(tp, mbs, everyone))
         return found
+
+    def _mixed_degrees(self, mbs: int) -> list[Degrees]:
+        """Per-class degrees for cross-class pipelines (uniform ones are searched anyway):
+        each class from its smallest degree whose stage holds a decoder layer (room for one
+        on a pipeline as deep as the layers, the most micro-batches in flight) up to the
+        widest that fits its nodes; only combinations that differ, at most 64."""
+        choices = []
+        for c, cl in enumerate(self.classes):
+            widths = [w for w in sorted(self.options.tensor_parallel) if cl.devices_per_node >= w]
+            fitting = [w for w in widths if max(self._stage_caps(
+                c, self.uniform(w), mbs, 1, self.model.num_layers, self._recompute_modes[-1])) >= 1]
+            choices.append(fitting)
+        if any(not widths for widths in choices):
+            return []
+        mixed = [tp for tp in itertools.product(*choices) if len(set(tp)) > 1]
+        return mixed[:64]
 
     def _shortlist(self, found: list[Candidate]) -> list[Candidate]:
         """The best estimates overall, plus each family's best: estimates are rough, and
         the exact predictor is the judge."""
-        found = sorted(found, key=lambda c: (c.estimate_s, c.family, c.tensor_parallel, c.micro_batch_size))
+        found = sorted(found, key=lambda c: (c.estimate_s, c.family, c.degrees, c.micro_batch_size))
         chosen = _distinct(found)[: self.options.exact_candidates]
         for family in FAMILIES:
             chosen += _distinct([c for c in found if c.family == family])[: self.options.exact_per_family]
@@ -870,7 +931,7 @@ def _least_per_stage(per_class: dict[int, list[int]], at_stage: tuple[tuple[int,
 
 
 def _shape_key(c: Candidate) -> tuple:
-    return (c.family, c.order, c.tensor_parallel, c.micro_batch_size, len(c.layers), len(c.replica_classes))
+    return (c.family, c.order, c.degrees, c.micro_batch_size, len(c.layers), len(c.replica_classes))
 
 
 def _distinct(candidates: list[Candidate]) -> list[Candidate]:

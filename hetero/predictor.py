@@ -179,10 +179,13 @@ def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: lis
         reduce_s.append(max(
             costs.gradient_sync(costs.allreduce_terms(tuple(hosts[s][t]), crossing_groups), params, dp, last_backward)
             for t in range(tps[s])))
-    if pp > 1 and not model.untie_embeddings_and_output_weights:  # first and last stage share a degree
-        table = model.vocab_size * model.hidden_size / tps[0] * costs.setup.grad_bytes
+    if pp > 1 and not model.untie_embeddings_and_output_weights:
+        # The runtime ties only first and last stages of one degree; other plans are priced as if
+        # the narrower one's shards met the wider's.
+        shared = min(tps[0], tps[-1])
+        table = model.vocab_size * model.hidden_size / shared * costs.setup.grad_bytes
         tie = max(costs.group_allreduce([grid[d][0].hosts[t], grid[d][-1].hosts[t]], table)
-                  for d in range(dp) for t in range(tps[0]))
+                  for d in range(dp) for t in range(shared))
         reduce_s[0] += tie
         reduce_s[-1] += tie
     return reduce_s

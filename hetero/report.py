@@ -39,7 +39,7 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
             lines.append(f"precision  {training['precision_reason']}")
     family = plan.model_extra.get("provenance", {}).get("family")
     lines.append(
-        f"layout     TP={plan.tensor_parallel} PP={plan.pipeline_parallel} DP={plan.data_parallel}, "
+        f"layout     TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel}, "
         f"micro-batch {plan.micro_batch_size}" + (f", {family} replicas" if family else "")
     )
     lines.append("stages     stage  layers  recompute  devices")
@@ -159,7 +159,7 @@ def timeline_png(plan: Plan, prediction: Prediction, path: str | Path, max_repli
     fig, ax = plt.subplots(figsize=(12, height))
     _draw(ax, [_predicted_spans(prediction, d, s) for d, s in rows], [_row_label(plan, d, s) for d, s in rows],
           f"Predicted iteration: {prediction.iteration_time_s:.3f} s "
-          f"(TP={plan.tensor_parallel} PP={plan.pipeline_parallel} DP={plan.data_parallel})")
+          f"(TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel})")
     ax.set_xlabel("seconds")
     return _save(fig, path, height)
 
@@ -178,7 +178,7 @@ def measured_timeline_png(plan: Plan, prediction: Prediction, traces: list[dict]
     labels = [_row_label(plan, d, s) for d, s in rows]
     _draw(top, measured, labels, f"Measured iteration: {measured_end:.3f} s (emulated cluster)")
     _draw(bottom, [_predicted_spans(prediction, d, s) for d, s in rows], labels,
-          f"Predicted: {prediction.iteration_time_s:.3f} s (TP={plan.tensor_parallel} "
+          f"Predicted: {prediction.iteration_time_s:.3f} s (TP={_degrees(plan)} "
           f"PP={plan.pipeline_parallel} DP={plan.data_parallel})")
     bottom.set_xlabel("seconds")
     return _save(fig, path, height)
@@ -192,3 +192,8 @@ def memory_table(prediction: Prediction) -> str:
                      f"{m.weights / GIB:7.2f} {m.gradients / GIB:6.2f} {m.optimizer / GIB:6.2f} "
                      f"{m.activations / GIB:6.2f} {m.total / GIB:7.2f}")
     return "\n".join(lines)
+
+
+def _degrees(plan: Plan) -> str:
+    """The tensor-parallel degree, or each stage's (plan version 3)."""
+    return "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else str(plan.tensor_parallel)

@@ -39,14 +39,19 @@ def _two_kind_cluster() -> Cluster:
 
 
 def _random_plan(rng: random.Random, planner: Planner, num_layers: int, global_batch: int) -> Plan:
-    """Any layout place() can build: random TP, depth, classes per stage, uneven layers,
-    unequal micro-batch counts, and either placement order."""
+    """Any layout place() can build: random TP (one, or one per class: plan version 3),
+    depth, classes per stage, uneven layers, unequal micro-batch counts, and either
+    placement order."""
     tp = rng.choice([1, 2])
+    degrees = tuple(rng.choice([1, 2]) for _ in planner.classes) if rng.random() < 0.4 else (tp,) * len(planner.classes)
     stages = rng.choice([1, 2, 3, 4])
-    pools = {c: len(cl.tp_groups(tp)) for c, cl in enumerate(planner.classes)}
+    pools = {c: len(cl.tp_groups(degrees[c])) for c, cl in enumerate(planner.classes)}
     replicas = []
     while True:
-        pattern = tuple(rng.randrange(len(pools)) for _ in range(stages))
+        # A stage's replicas share its degree: with degrees per class, every replica repeats
+        # the first one's classes (a cross-class pipeline).
+        pattern = replicas[0] if replicas and len(set(degrees)) > 1 else \
+            tuple(rng.randrange(len(pools)) for _ in range(stages))
         need = {c: pattern.count(c) for c in set(pattern)}
         if any(pools[c] < n for c, n in need.items()) or len(replicas) >= 6:
             break
@@ -60,7 +65,7 @@ def _random_plan(rng: random.Random, planner: Planner, num_layers: int, global_b
     layers = [b - a for a, b in zip([0] + cuts, cuts + [num_layers])]
     mbs = rng.choice([1, 2, 4])
     micro = [rng.randint(1, 8) for _ in replicas]
-    plan = place(planner.cluster, planner.classes, tp, mbs, layers, replicas, micro,
+    plan = place(planner.cluster, planner.classes, degrees, mbs, layers, replicas, micro,
                  rng.choice(["replica-major", "stage-major"]))
     if rng.random() < 0.3:  # some stages recompute
         data = plan.to_dict()
@@ -93,6 +98,7 @@ def test_fast_estimate_agrees_with_the_predictor_on_random_plans():
             estimates.append(seconds)
             exact.append(prediction.iteration_time_s)
     assert fits_agree == len(plans), f"fit verdicts differ on {len(plans) - fits_agree} of {len(plans)} plans"
+    assert sum(p.per_stage_tensor_parallel for p in plans) >= 10  # the draw covers per-stage degrees
     assert 20 <= fitting < len(plans)  # the draw covers both verdicts
     assert _kendall(estimates, exact) >= 0.9  # pairs of plans ranked the same way
     assert max(abs(e / x - 1) for e, x in zip(estimates, exact)) < 0.35

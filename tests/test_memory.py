@@ -59,3 +59,26 @@ def test_predicted_peak_memory_per_stage(tmp_path, distributed_optimizer):
             assert abs(error) <= TOLERANCE, (
                 f"stage {stage}: predicted {predicted / 2**20:.0f} MB, measured "
                 f"{measured[stage] / 2**20:.0f} MB ({error:+.1%})")
+
+
+def test_predicted_peak_memory_of_stages_with_their_own_tensor_parallel_degree(tmp_path):
+    """Plan version 3: stage 0 at TP=2 beside stage 1 at TP=1 (issue 2.5: within 10%)."""
+    plan = make_plan(tp=1, pp=2, dp=1, stages=[5, 3], replicas=[8], rank_order=[0, 1, 2], stage_tp=[2, 1])
+    args = MODEL + ["--untie-embeddings-and-output-weights"]
+    result = run_pretrain(args, nproc=3, plan=plan, tmp_path=tmp_path, launcher="torchrun")
+    assert result.returncode == 0, result.output[-3000:]
+    peaks = cpu_peak_memory_mb(result.stdout)
+    assert sorted(peaks) == [(0, 1), (0, 3), (2, 1), (2, 3)], peaks
+    measured = {0: peaks[0, 3] * 2**20, 1: peaks[2, 3] * 2**20}
+    # 8001 tokens padded to a multiple of 128 x 2 (the widest stage's degree)
+    spec = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=8192,
+                     max_position_embeddings=256, untie_embeddings_and_output_weights=True)
+    setup = TrainingSetup("fp32", False, fused_kernels=False, dropout=False)
+    prediction = predict(Plan.from_dict(plan), CPU_NODE, CostModel(CPU_NODE, spec, setup))
+    errors = {}
+    for report in prediction.reports:
+        stage, predicted = report.slot.stage, report.memory.total
+        errors[stage] = predicted / measured[stage] - 1
+        print(f"stage {stage} (TP={plan['stages'][stage]['tensor_parallel']}): predicted "
+              f"{predicted / 2**20:.0f} MB, measured {measured[stage] / 2**20:.0f} MB ({errors[stage]:+.1%})")
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), errors

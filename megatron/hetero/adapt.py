@@ -112,15 +112,13 @@ class Adapter:
         """Each replica's time to its gradient reduction: its slowest rank's (median)."""
         busy = self._median("busy")
         plan = self.plan
-        return [max(busy[r] for p in range(plan.pipeline_parallel) for t in range(plan.tensor_parallel)
-                    for r in [plan.rank_at(t, d, p)])
-                for d in range(plan.data_parallel)]
+        return [max(busy[r] for r in plan.replica_ranks(d)) for d in range(plan.data_parallel)]
 
     def stage_seconds(self) -> list[float]:
         """Each stage's forward+backward time per micro-batch on its slowest replica (median)."""
         compute, plan = self._median("compute"), self.plan
-        return [max(compute[plan.rank_at(t, d, p)] / plan.replicas[d].num_micro_batches
-                    for d in range(plan.data_parallel) for t in range(plan.tensor_parallel))
+        return [max(compute[r] / plan.replicas[d].num_micro_batches
+                    for d in range(plan.data_parallel) for r in plan.tensor_group(d, p))
                 for p in range(plan.pipeline_parallel)]
 
     def maybe_resplit(self, iteration: int) -> Plan | None:

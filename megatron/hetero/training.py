@@ -545,7 +545,8 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
     print_rank_0(arguments_block(args))
     print_rank_0(
         f"using world size: {plan.world_size}, data-parallel size: {plan.data_parallel}, "
-        f"context-parallel size: 1, tensor-model-parallel size: {plan.tensor_parallel}, "
+        f"context-parallel size: 1, tensor-model-parallel size: "
+        f"{'/'.join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel}, "
         f"pipeline-model-parallel size: {plan.pipeline_parallel}"
     )
     print_rank_0(f"> hetero plan: {plan_source or 'none (uniform Megatron plan)'}: {plan.summary()}")
