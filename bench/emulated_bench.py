@@ -15,7 +15,8 @@
    launch order.
 4. Shapes the first two do not reach (cpu_demo.yaml: two fast and two half-speed devices,
    two per node): pipelines of uneven stages with unequal replicas, tensor parallelism
-   (TP=2 inside a node, with TP=2 profiles), both together, and the planner's own pick.
+   (TP=2 inside a node, with TP=2 profiles), both together, a degree per stage (1/2/1,
+   plan version 3), and the planner's own pick.
 5. timeline.png: a measured iteration of the planner's plan above its prediction.
 
 Every plan runs --repeats times (fresh processes each time); a row reports the median of
@@ -259,6 +260,7 @@ class Bench:
                                                         [global_batch // 2 + 1, global_batch // 2 - 1])),
             ("TP2 x DP2, replicas by speed", plan(2, 1, 2, [layers], [fast_share, global_batch - fast_share])),
             ("TP2 x PP2, uneven stages", plan(2, 2, 1, [layers - 1, 1], [global_batch])),
+            ("per-stage TP 1/2/1", per_stage_plan(layers, global_batch, devices)),
         ]
         options = PlannerOptions(tensor_parallel=(1, 2), micro_batch_sizes=(1, 2), setup=SETUP,
                                  recompute_modes=("none",), sequence_parallel=False, virtual_stages=(1,))
@@ -268,15 +270,28 @@ class Bench:
             self.compare("shapes", label, cluster, shape, costs, like)
 
 
+def per_stage_plan(layers: int, global_batch: int, devices: list[dict]) -> Plan:
+    """Plan version 3 on cpu_demo: the middle stage at TP=2 on the fast node (launch ranks 0,
+    1), the first and last at TP=1 on the slow one (2, 3): first and last share a degree,
+    so the tied embedding stays tied."""
+    return Plan.from_dict({"version": 3, "tensor_parallel": 1, "pipeline_parallel": 3, "data_parallel": 1,
+                           "micro_batch_size": 1,
+                           "stages": [{"num_layers": 1}, {"num_layers": layers - 2, "tensor_parallel": 2},
+                                      {"num_layers": 1}],
+                           "replicas": [{"num_micro_batches": global_batch}],
+                           "rank_order": [2, 0, 1, 3], "devices": devices})
+
+
 def describe(plan: Plan) -> str:
     layers = "/".join(str(s.num_layers) for s in plan.stages)
     micro = "/".join(str(r.num_micro_batches) for r in plan.replicas)
-    return (f"TP{plan.tensor_parallel} PP{plan.pipeline_parallel} DP{plan.data_parallel} mbs {plan.micro_batch_size} "
+    tp = "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel
+    return (f"TP{tp} PP{plan.pipeline_parallel} DP{plan.data_parallel} mbs {plan.micro_batch_size} "
             f"layers {layers} micro-batches {micro} order {plan.rank_order}")
 
 
 def layout_key(plan: Plan) -> tuple:
-    return (plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size,
+    return (tuple(plan.stage_tensor_parallel), plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size,
             tuple(s.num_layers for s in plan.stages), tuple(r.num_micro_batches for r in plan.replicas),
             tuple(plan.rank_order))
 
