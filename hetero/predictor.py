@@ -120,7 +120,8 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
     tps = plan.stage_tensor_parallel
     # Transfers that share inter-group links at a pipeline boundary run at the same time.
     boundary_crossings = [
-        max(tps[s], tps[s + 1]) * _crossings(cluster, [(grid[d][s].hosts[0], grid[d][s + 1].hosts[0]) for d in range(dp)])
+        max(tps[s], tps[s + 1])
+        * _crossings(cluster, [(grid[d][s].hosts[0], grid[d][s + 1].hosts[0]) for d in range(dp)])
         for s in range(pp - 1)
     ]
 

@@ -52,12 +52,14 @@ def test_groups_partition_the_world_and_agree_with_the_grid():
 
 def test_plan_errors_name_the_field_and_the_fix():
     good = make_plan(1, 2, 1, [2, 2], [4], [0, 1, 2], stage_tp=[2, 1])
-    with pytest.raises(PlanError, match=r'stages\[0\].tensor_parallel, stages\[1\].tensor_parallel need plan version 3'):
+    with pytest.raises(PlanError, match=r"stages\[0\].tensor_parallel, stages\[1\].tensor_parallel need "
+                                        r"plan version 3"):
         Plan.from_dict({**good, "version": 2})
     with pytest.raises(PlanError, match="data_parallel x sum of the stages' tensor_parallel"):
         Plan.from_dict({**good, "devices": good["devices"][:2]})
-    interleaved = {**good, "stages": [{"num_layers": 2, "tensor_parallel": 2, "virtual_stages": [1, 1]},
-                                      {"num_layers": 2, "virtual_stages": [1, 1]}], "replicas": [{"num_micro_batches": 4}]}
+    interleaved = {**good, "replicas": [{"num_micro_batches": 4}],
+                   "stages": [{"num_layers": 2, "tensor_parallel": 2, "virtual_stages": [1, 1]},
+                              {"num_layers": 2, "virtual_stages": [1, 1]}]}
     with pytest.raises(PlanError, match="interleaved schedule with a tensor-parallel degree per stage"):
         Plan.from_dict(interleaved)
 
@@ -101,9 +103,22 @@ def test_tp2_then_tp1_uneven_stages_unequal_replicas_permuted(tmp_path, llama_re
 
 @slow
 def test_tp1_then_tp2_with_sequence_parallel(tmp_path, llama_reference):
-    plan = make_plan(1, 2, 1, [1, 3], [8], [2, 0, 1], stage_tp=[1, 2])
-    result = run_pretrain(LLAMA_MODEL + TRAINING + ["--sequence-parallel"], nproc=3, plan=plan,
+    plan = make_plan(1, 2, 2, [1, 3], [2, 6], [4, 1, 5, 0, 2, 3], stage_tp=[1, 2])
+    result = run_pretrain(LLAMA_MODEL + TRAINING + ["--sequence-parallel"], nproc=6, plan=plan,
                           tmp_path=tmp_path)
+    assert_same_training(llama_reference, result)
+
+
+@slow
+def test_hetero_backend_across_vendors_with_recomputation(tmp_path, llama_reference):
+    """The hetero backend with the TP=2 stage on one vendor and the TP=1 stage on the other
+    (stage transfers cross vendors), every layer recomputed."""
+    labels = ["nvidia", "nvidia", "amd"]
+    devices = [{"host": "localhost", "device_type": "cpu", "vendor": v} for v in labels]
+    plan = make_plan(1, 2, 1, [2, 2], [8], [1, 0, 2], devices=devices, stage_tp=[2, 1])
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    result = run_pretrain(LLAMA_MODEL + TRAINING + ["--distributed-backend", "hetero"] + recompute, nproc=3,
+                          plan=plan, tmp_path=tmp_path, env={"HETERO_DEVICE": "cpu"})
     assert_same_training(llama_reference, result)
 
 

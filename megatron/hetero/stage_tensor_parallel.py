@@ -3,21 +3,22 @@
 megatron-core assumes one grid, world = TP x DP x PP (x CP). Two things change when stages
 differ in TP; megatron.hetero.patches installs both:
 
-1. Process groups (patch parallel-state-groups-from-per-stage-grid). megatron-core builds every group from ``RankGenerator.get_ranks(token)``
-   ("tp", "dp", "pp", "tp-pp", ...). ``PlanRankGenerator`` answers those from the plan's
-   grid instead: stage s holds ``dp * tp_s`` ranks; a group of a token holds the ranks
-   that agree on every coordinate not in the token. Pipeline groups are the exception:
-   tensor rank t of replica d meets tensor rank ``t mod tp_s`` of each stage, so a rank of
-   a narrower stage lies in several; it keeps the one of its own tensor rank (its stage
-   index and the pipeline size are what megatron-core reads from it; transfers do not use
-   it, see 2).
-2. Stage-to-stage transfers (patch p2p-reshards-between-stage-degrees). ``ReshardingP2PCommunicator`` sends and receives each
-   micro-batch's activation (and its gradient) by the plan: with sequence parallelism a
-   stage of degree tp holds sequence slice t/tp on tensor rank t, so every receiving rank
-   gets the overlap of its slice with each sending rank's; without it every rank of a
-   stage holds the whole tensor and receiving rank u takes it from sending rank
-   ``u mod tp_sender``. Every piece is a contiguous run of sequence rows, so it is sent
-   from and received into views of the schedule's own tensors.
+1. Process groups (patch parallel-state-groups-from-per-stage-grid). megatron-core builds
+   every group from ``RankGenerator.get_ranks(token)`` ("tp", "dp", "pp", "tp-pp", ...);
+   ``PlanRankGenerator`` answers from the plan's grid instead: stage s holds ``dp * tp_s``
+   ranks, and a group of a token holds the ranks that agree on every coordinate not in the
+   token. Pipeline groups are the exception: tensor rank t of replica d meets tensor rank
+   ``t mod tp_s`` of each stage, so a rank of a narrower stage lies in several; it keeps
+   the one of its own tensor rank (its stage index and the pipeline size are what
+   megatron-core reads from it; transfers do not use it, see 2).
+2. Stage-to-stage transfers (patch p2p-reshards-between-stage-degrees).
+   ``ReshardingP2PCommunicator`` sends and receives each micro-batch's activation (and its
+   gradient) by the plan: with sequence parallelism a stage of degree tp holds sequence
+   slice t/tp on tensor rank t, so every receiving rank gets the overlap of its slice with
+   each sending rank's; without it every rank of a stage holds the whole tensor and
+   receiving rank u takes it from sending rank ``u mod tp_sender``. Every piece is a
+   contiguous run of sequence rows, so it is sent from and received into views of the
+   schedule's own tensors.
 """
 
 from __future__ import annotations
@@ -174,13 +175,13 @@ def resharding_communicator(original: type) -> type:
 
 def _reshard(config, send_next, send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs):
     plan, rank = _plan, dist.get_rank()
-    stage = plan.coords(rank).pp_rank
-    my_tp = plan.stage_tensor_parallel[stage]
+    me = plan.coords(rank)
+    stage, my_tp = me.pp_rank, plan.stage_tensor_parallel[me.pp_rank]
     # Sends alone carry no shape (megatron-core passes None): the tensor has it.
-    local_rows = (tensor_shape if tensor_shape is not None else (send_next if send_next is not None else send_prev).shape)[0]
+    shape = tensor_shape if tensor_shape is not None else (send_next if send_next is not None else send_prev).shape
     sharded = _sequence_parallel
-    whole = local_rows * my_tp if sharded else local_rows
-    offset = _rows(plan.coords(rank).tp_rank, my_tp, whole, sharded)[0]
+    whole = shape[0] * my_tp if sharded else shape[0]  # sequence rows of the whole activation
+    offset = _rows(me.tp_rank, my_tp, whole, sharded)[0]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
     def buffer():
@@ -207,5 +208,5 @@ def _reshard(config, send_next, send_prev, recv_prev, recv_next, tensor_shape, w
     return received_prev, received_next, requests
 
 
-__all__ = ["Piece", "active_plan", "finalize_model_grads_on_plan_grid", "finish_plan_grid", "plan_rank_generator", "rank_groups",
-           "resharding_communicator", "stage_pieces", "use_plan_grid"]
+__all__ = ["Piece", "active_plan", "finalize_model_grads_on_plan_grid", "finish_plan_grid",
+           "plan_rank_generator", "rank_groups", "resharding_communicator", "stage_pieces", "use_plan_grid"]
