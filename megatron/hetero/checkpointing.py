@@ -157,9 +157,9 @@ def model_shape(args: argparse.Namespace) -> dict:
 
 
 def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool, rng: bool,
-           extra: dict | None = None) -> dict:
+           extra: dict | None = None, model_sharding: dict = MODEL_SHARDING) -> dict:
     # The bare GPTModel: names must not depend on the DDP / mixed-precision wrappers.
-    model_state = unwrap_model(model).sharded_state_dict(metadata=MODEL_SHARDING)
+    model_state = unwrap_model(model).sharded_state_dict(metadata=model_sharding)
     state = {"model": model_state, "opt_param_scheduler": scheduler.state_dict(), **(extra or {})}
     if optimizer_state:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading,
@@ -286,7 +286,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         "iteration": iteration,
         "checkpoint_version": 3.0,
         "hetero": {"model_shape": model_shape(args), "layout": list(sizes),
-                   "stage_tensor_parallel": _stage_degrees(), "plan": plan.to_dict(),
+                   "stage_tensor_parallel": _stage_degrees(), "layer_keys": "per-layer", "plan": plan.to_dict(),
                    "distributed_optimizer": bool(args.use_distributed_optimizer)},
     })
     try:
@@ -378,7 +378,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
             "(a plan from hetero-plan chooses it), or pass --no-load-optim to load the weights only"
         )
     print_rank_0(f" loading checkpoint from {root} at iteration {iteration}")
+    # Checkpoints of earlier releases stack the decoder layers under one key per tensor.
+    stacked = saved.get("layer_keys") != "per-layer"
+    if stacked and stage_tensor_parallel.active_plan() is not None:
+        raise HeteroError(
+            f"the checkpoint in {directory} keeps its decoder layers stacked (written by an earlier "
+            "release), which a plan whose stages differ in tensor-parallel degree cannot read; resume it "
+            "under a plan with one degree, save once, then switch plans")
     state = _state(model, optimizer, scheduler, loading=True, optimizer_state=restore_optimizer,
+                   model_sharding={} if stacked else MODEL_SHARDING,
                    rng=restore_rng)
     strategy = get_default_load_sharded_strategy(str(directory))
     if args.ckpt_fully_parallel_load:
