@@ -19,9 +19,11 @@
    plan version 3), and the planner's own pick.
 5. timeline.png: a measured iteration of the planner's plan above its prediction.
 
-Every plan runs --repeats times (fresh processes each time); a row reports the median of
-the runs' iteration times and their spread ((max - min) / median): one run is not a
-measurement on a shared machine.
+Every plan runs --repeats timed runs (fresh processes each time) and one more for peak
+memory; a row reports the median of the timed runs' iteration times and their spread
+((max - min) / median): one run is not a measurement on a shared machine. Timed runs and
+the compute profile keep freed memory in the process, as a GPU's caching allocator does (the
+emulator's default); the memory run returns it to the OS, so that its peak is the job's own.
 
     sudo python bench/emulated_bench.py --only shapes --plans 1 --repeats 2   # a quick check
 """
@@ -46,9 +48,10 @@ from hetero.plan import Plan  # noqa: E402
 from hetero.planner import Planner, PlannerOptions, _distinct  # noqa: E402
 from hetero.predictor import Prediction, predict  # noqa: E402
 from hetero.profiles import Profiles  # noqa: E402
-from hetero.report import measured_timeline_png  # noqa: E402
+from hetero.report import logged_iteration_times_s, measured_timeline_png  # noqa: E402
 from megatron.hetero.log import cpu_peak_memory_mb  # noqa: E402
 from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
+from tools.emulator.cluster import KEEP_FREED_MEMORY_ENV  # noqa: E402
 
 CLUSTERS = REPO / "examples" / "clusters"
 MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -58,6 +61,7 @@ DATA_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers
 SETUP = TrainingSetup("fp32", distributed_optimizer=False, fused_kernels=False, dropout=False)
 OPTIONS = PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1, 2, 4), setup=SETUP)
 WARMUP_ITERATIONS = 2
+MEMORY_RUN_ENV = {KEEP_FREED_MEMORY_ENV: "0"}  # freed memory returned: the peak is the job's own
 
 
 def model_spec():
@@ -89,13 +93,14 @@ class Bench:
             raise SystemExit(f"{what} failed (exit {result.returncode}):\n{result.output[-4000:]}")
         return result.output
 
-    def profile(self, name: str, cluster: Cluster, tensor_parallel: tuple[int, ...] = (1,)
-                ) -> tuple[Profiles, EmulatedCluster]:
+    def profile(self, name: str, cluster: Cluster, tensor_parallel: tuple[int, ...] = (1,),
+                micro_batch_sizes: tuple[int, ...] = (1, 2, 4)) -> tuple[Profiles, EmulatedCluster]:
         directory = self.out / name / "profiles"
         emulated = self.emulator(cluster, RankLayout.of_cluster(cluster))
         self.log(f"{name}: profiling compute and links on the emulated cluster\n{emulated.describe()}")
-        self.run(emulated, ["-m", "tools.profile_compute", "-o", str(directory), "--micro-batch-sizes", "1", "2",
-                            "4", "--tensor-parallel", *map(str, tensor_parallel), "--", *MODEL_FLAGS, *DATA_FLAGS],
+        self.run(emulated, ["-m", "tools.profile_compute", "-o", str(directory), "--micro-batch-sizes",
+                            *map(str, micro_batch_sizes), "--tensor-parallel", *map(str, tensor_parallel), "--",
+                            *MODEL_FLAGS, *DATA_FLAGS],
                  "compute profile")
         self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), emulated),
                  ["-m", "tools.profile_network", "-o", str(directory)], "link profile")
@@ -110,19 +115,25 @@ class Bench:
                 "--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
                 "--train-iters", str(self.iterations), "--lr", "1e-4", "--log-interval", "1",
                 "--log-memory-interval", str(self.iterations), "--eval-iters", "0"]
-        env = {"HETERO_TRACE_DIR": str(trace_dir), "HETERO_TRACE_ITERATION": str(self.iterations - 1)} if trace_dir else None
+        trace = {"HETERO_TRACE_DIR": str(trace_dir), "HETERO_TRACE_ITERATION": str(self.iterations - 1)} if trace_dir else {}
         runs, stage_memory, times = [], {}, []
-        for repeat in range(self.repeats):
+        # One run for peak memory with freed memory returned to the OS (the job's own peak),
+        # then the timed runs with it kept, as the emulator's ranks keep it by default.
+        for repeat in range(self.repeats + 1):
+            timed = repeat > 0
             output = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv,
-                              f"training {name} (run {repeat + 1})", env)
-            these = [float(t) / 1e3 for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", output)]
+                              f"training {name} ({f'timed run {repeat}' if timed else 'memory run'})",
+                              trace if timed else MEMORY_RUN_ENV)
+            if timed:
+                these = logged_iteration_times_s(output)
+                runs.append(statistics.median(these[WARMUP_ITERATIONS:]))
+                times.append(these)
+                continue
             # The line after the last iteration: the peak of the whole run (the first
             # iteration's line comes before the optimizer state exists).
             memory = {r: mb * 2**20 for (r, after), mb in cpu_peak_memory_mb(output).items()
                       if after == self.iterations}
-            runs.append(statistics.median(these[WARMUP_ITERATIONS:]))
-            times.append(these)
-            for r, m in memory.items():  # the peak of a stage's ranks, medians over runs later
+            for r, m in memory.items():  # the peak of a stage's ranks
                 stage_memory.setdefault(plan.coords(r).pp_rank, []).append(m)
         iteration = statistics.median(runs)
         return {"iteration_s": iteration, "tokens_per_s": plan.global_batch_size * self.spec.seq_length / iteration,
@@ -138,7 +149,7 @@ class Bench:
         row = {"cluster": cluster_name, "plan": label, "layout": describe(plan),
                "predicted_s": prediction.iteration_time_s, "measured_s": measured["iteration_s"],
                "time_error": prediction.iteration_time_s / measured["iteration_s"] - 1,
-               "runs_s": measured["runs_s"], "spread": measured["spread"],
+               "runs_s": measured["runs_s"], "spread": measured["spread"], "iterations_s": measured["all_iterations_s"],
                "measured_tokens_per_s": measured["tokens_per_s"],
                "memory": [{"stage": s, "predicted_mb": predicted_memory[s] / 2**20, "measured_mb": m / 2**20,
                            "error": predicted_memory[s] / m - 1}
@@ -236,7 +247,7 @@ class Bench:
     def shapes_cluster(self, global_batch: int) -> None:
         """Uneven pipelines with unequal replicas, TP=2, both, and the planner's pick."""
         cluster = Cluster.load(CLUSTERS / "cpu_demo.yaml")
-        profiles, like = self.profile("shapes", cluster, tensor_parallel=(1, 2))
+        profiles, like = self.profile("shapes", cluster, tensor_parallel=(1, 2), micro_batch_sizes=(1, 2))
         costs = CostModel(cluster, self.spec, SETUP, profiles)
         devices = [d.model_dump() for d in Plan.uniform(
             tensor_parallel=1, pipeline_parallel=1, data_parallel=4, micro_batch_size=1,

@@ -243,6 +243,7 @@ def bench_train(out: Path) -> list[dict]:
     from hetero.plan import Plan
     from hetero.predictor import predict
     from hetero.profiles import Profiles
+    from hetero.report import logged_iteration_times_s
 
     profile_dir = out / "profiles"
     subprocess.run([sys.executable, "-m", "tools.profile_compute", "--device-type", DEVICE_TYPE, "-o", str(profile_dir),
@@ -274,7 +275,7 @@ def bench_train(out: Path) -> list[dict]:
             print(output[-4000:])
             rows.append({"micro_batch": micro_batch, "recompute": recompute, "failed": result.returncode})
             continue
-        times = [float(t) / 1e3 for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", output)]
+        times = logged_iteration_times_s(output)
         # The last memory line: the peak over every iteration (the first has no Adam state yet).
         allocated = [float(mb) for mb in re.findall(r"max allocated: ([0-9.]+)", output)]
         measured = statistics.median(times[WARMUP:])

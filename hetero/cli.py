@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Sequence
 
 from hetero.baseline import megatron_baseline, upper_bound
@@ -26,7 +27,7 @@ from hetero.plan import Plan
 from hetero.planner import Planner, PlannerOptions
 from hetero.predictor import Prediction, predict
 from hetero.profiles import Profiles
-from hetero.report import memory_table, summary, timeline_png
+from hetero.report import measured_against_predicted, memory_table, summary, timeline_png
 
 VERSION = "0.1.0"
 
@@ -275,12 +276,16 @@ def _explain_command(argv: Sequence[str]) -> int:
     p.add_argument("plan")
     p.add_argument("--timeline", default=None, help="draw the predicted iteration (PNG)")
     p.add_argument("--memory", action="store_true", help="per-stage memory breakdown")
+    p.add_argument("--measured", default=None, metavar="LOG",
+                   help="a training log of this plan: its iteration time against the prediction")
     args = p.parse_args(argv)
     plan = Plan.load(args.plan)
     prediction, cluster = explain(plan, args.plan)
     print(summary(plan, prediction, cluster, f"hetero-plan explain {args.plan}"))
     if args.memory:
         print(memory_table(prediction))
+    if args.measured:
+        print(measured_against_predicted(Path(args.measured).read_text(), prediction.iteration_time_s))
     if args.timeline:
         print(f"timeline   {timeline_png(plan, prediction, args.timeline)}")
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -182,6 +184,26 @@ def measured_timeline_png(plan: Plan, prediction: Prediction, traces: list[dict]
           f"PP={plan.pipeline_parallel} DP={plan.data_parallel})")
     bottom.set_xlabel("seconds")
     return _save(fig, path, height)
+
+
+_ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def logged_iteration_times_s(log: str) -> list[float]:
+    """Every "elapsed time per iteration" of a Megatron log, in seconds (each the mean
+    over its log interval)."""
+    return [float(ms) / 1e3 for ms in _ELAPSED.findall(log)]
+
+
+def measured_against_predicted(log: str, prediction_s: float) -> str:
+    """The median logged iteration time after the first log line (start-up and the first
+    allocations) against the prediction."""
+    times = logged_iteration_times_s(log)[1:]
+    if not times:
+        return "measured   no iteration time logged after the first log line"
+    measured = statistics.median(times)
+    return (f"measured   iteration {measured:.3f} s (median of {len(times)} logged intervals after the first) "
+            f"vs predicted {prediction_s:.3f} s: prediction {prediction_s / measured - 1:+.1%}")
 
 
 def memory_table(prediction: Prediction) -> str:

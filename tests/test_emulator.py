@@ -16,6 +16,7 @@ import pytest
 
 from hetero.cluster import Cluster
 from tools.emulator import EmulatedCluster, RankLayout
+from tools.emulator.cluster import balanced_cpus
 from tools.emulator.cpu_quota import CPU_CGROUP, CpuQuotas
 from tools.emulator.network import EmulatedNetwork, NodeLink
 
@@ -94,7 +95,8 @@ def test_a_job_runs_across_namespaces_and_everything_is_removed():
     cluster = Cluster.load(REPO / "examples" / "clusters" / "cpu_demo.yaml")
     script = ("import os, torch, torch.distributed as d\nd.init_process_group('gloo')\n"
               "t = torch.ones(4); d.all_reduce(t)\n"
-              "line = f\"rank {d.get_rank()} {os.environ['HETERO_EMULATED_HOST']} {os.environ['HETERO_DEVICE']} {t.sum().item()}\\n\"\n"
+              "line = f\"rank {d.get_rank()} {os.environ['HETERO_EMULATED_HOST']} {os.environ['HETERO_DEVICE']} {t.sum().item()} "
+              "cores {sorted(os.sched_getaffinity(0))}\\n\"\n"
               # One write per line: under PYTHONUNBUFFERED print() writes each piece on its
               # own, and pieces of ranks sharing the pipe interleave.
               "os.write(1, line.encode())\n"
@@ -109,9 +111,17 @@ def test_a_job_runs_across_namespaces_and_everything_is_removed():
     assert result.returncode == 0, "\n".join(
         line for line in result.output.splitlines() if "rank " in line or "rror" in line or "exitcode" in line)[:6000]
     lines = sorted(line for line in result.output.splitlines() if line.startswith("rank "))
-    assert lines == ["rank 0 node-fast cpu-fast,cpu-fast 16.0", "rank 1 node-fast cpu-fast,cpu-fast 16.0",
-                     "rank 2 node-slow cpu-slow,cpu-slow 16.0", "rank 3 node-slow cpu-slow,cpu-slow 16.0"]
+    cores = [f"cores [{c}]" for c in emulated.cpu_of_rank]
+    assert lines == [f"rank 0 node-fast cpu-fast,cpu-fast 16.0 {cores[0]}", f"rank 1 node-fast cpu-fast,cpu-fast 16.0 {cores[1]}",
+                     f"rank 2 node-slow cpu-slow,cpu-slow 16.0 {cores[2]}", f"rank 3 node-slow cpu-slow,cpu-slow 16.0 {cores[3]}"]
     assert not _leftovers(emulated.run_id)
+
+
+def test_ranks_are_pinned_so_that_every_core_carries_a_like_share():
+    assert balanced_cpus([0.5, 0.5, 0.25, 0.25], [0, 1]) == [0, 1, 0, 1]
+    assert balanced_cpus([0.43, 0.43, 0.43, 0.21], [2, 5]) == [2, 5, 2, 5]
+    assert balanced_cpus([0.2, 0.9, 0.3], [0, 1]) == [1, 0, 1]
+    assert balanced_cpus([0.3] * 3, [7]) == [7, 7, 7]
 
 
 @pytest.mark.slow

@@ -82,3 +82,35 @@ def test_predicted_peak_memory_of_stages_with_their_own_tensor_parallel_degree(t
         print(f"stage {stage} (TP={plan['stages'][stage]['tensor_parallel']}): predicted "
               f"{predicted / 2**20:.0f} MB, measured {measured[stage] / 2**20:.0f} MB ({errors[stage]:+.1%})")
     assert all(abs(e) <= TOLERANCE for e in errors.values()), errors
+
+
+RESIDENT_AFTER_FREE = """
+import torch
+from megatron.hetero.cpu_device import configure_host_allocator
+
+def resident_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1]) / 1024
+
+mode = configure_host_allocator()
+before = resident_mb()
+for _ in range(2):  # glibc raises its mapping threshold after the first large free
+    block = torch.ones(4 * 2**20)  # 16 MB, touched
+    del block
+print(mode, round(resident_mb() - before))
+"""
+
+
+@pytest.mark.parametrize("keep, mode, resident_mb", [("", "returned", (0, 2)), ("1", "kept", (15, 20))])
+def test_a_cpu_rank_returns_freed_tensors_unless_told_to_keep_them(keep, mode, resident_mb):
+    import os
+    import subprocess
+    import sys
+
+    from megatron.hetero.cpu_device import KEEP_FREED_MEMORY_ENV
+
+    done = subprocess.run([sys.executable, "-c", RESIDENT_AFTER_FREE], capture_output=True, text=True,
+                          env={**os.environ, KEEP_FREED_MEMORY_ENV: keep}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got_mode, grown = done.stdout.split()
+    assert got_mode == mode
+    assert resident_mb[0] <= int(grown) <= resident_mb[1], done.stdout

@@ -57,6 +57,18 @@ def test_writes_a_plan_with_its_prediction_and_explains_it(tmp_path, capsys):
     assert "weights  grads  optim" in explained
     assert (tmp_path / "again.png").stat().st_size > 10_000
 
+    # A training log of the plan: its median logged iteration after the first line, against it.
+    predicted = prediction["iteration_time_s"]
+    log = tmp_path / "train.log"
+    log.write_text("".join(
+        f" [2026-11-25 10:00:0{i}] iteration {5 * i:8d}/      30 | consumed samples: {80 * i:12d} | "
+        f"elapsed time per iteration (ms): {ms:.1f} | tokens per second: 1.0 |\n"
+        for i, ms in enumerate([9999.0, predicted * 1e3 * 1.25, predicted * 1e3 * 1.20, predicted * 1e3 * 1.30], 1)))
+    assert main(["explain", str(out), "--measured", str(log)]) == 0
+    compared = capsys.readouterr().out.splitlines()[-1]
+    assert compared.startswith(f"measured   iteration {predicted * 1.25:.3f} s (median of 3 logged intervals")
+    assert compared.endswith(f"prediction {1 / 1.25 - 1:+.1%}")
+
 
 @pytest.mark.parametrize("change, fragment", [
     (lambda c: c["groups"][0]["nodes"][0].update(device="B200"), "unknown device 'B200'"),

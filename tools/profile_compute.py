@@ -4,27 +4,33 @@
         --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
 
 The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does. It is
-timed with 1 and 5 decoder layers: the difference is four layers, the rest is embedding,
-output layer and loss (the profile's "logits"). Four layers, not two, and 8 timed rounds:
-on a shared machine (or an emulated device under a CPU quota) one round varies by 10-30%,
-and a per-layer time is a difference of two such medians. Activation memory per layer is what
-autograd keeps for backward (saved-tensor hooks), on any device.
+timed at 1, 2, 3 and 4 decoder layers, then again from 4 down to 1, and a line fitted through
+the eight medians: its slope is a layer, its intercept the embedding, output layer and loss
+(the profile's "logits"). On a shared machine (or an emulated device under a CPU quota) one
+round varies by 10-30%, and a difference of two depths' medians swung a layer's time by 30%;
+eight points average that out, and the way down cancels a drift of the machine's speed. Activation
+memory per layer is what autograd keeps for backward (saved-tensor hooks), on any device.
 
 Run by torchrun (or inside the emulator: `python -m tools.emulator --cluster C -- -m
 tools.profile_compute ...`) every rank profiles its own device concurrently - the
 contention of a real job - and rank 0 writes one profile per device type, the median over
-that type's ranks. --tensor-parallel T groups consecutive ranks (one host) T by T.
+that type's ranks. Every rank starts a depth together and keeps running rounds until the
+slowest has its own: a fast rank idling while slow ones finish would hand them cores (or
+memory bandwidth) they do not get in training, where every rank is busy.
+--tensor-parallel T groups consecutive ranks (one host) T by T.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -33,7 +39,7 @@ from hetero.launch import split_at_double_dash
 from hetero.plan import write_json_atomic
 from hetero.profiles import ComputeProfile, model_shape
 
-PROBE_LAYERS = (1, 5)
+PROBE_LAYERS = (1, 2, 3, 4, 4, 3, 2, 1)
 # Flags the profile does not depend on but pretrain_gpt.py's parser insists on.
 PLACEHOLDER_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
                      "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
@@ -52,8 +58,10 @@ def _device_type(override: str | None) -> str:
     return override or detect_device(int(os.environ.get("LOCAL_RANK", 0))).device_type
 
 
-def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> tuple[float, float, float]:
-    """(forward s, backward s, bytes saved for backward) of one micro-batch, medians."""
+def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
+                everyone: dist.ProcessGroup) -> tuple[float, float, float]:
+    """(forward s, backward s, bytes saved for backward) of one micro-batch, medians of at
+    least `repeats` rounds; rounds go on until every rank of `everyone` has its `repeats`."""
     from megatron.core import parallel_state
     from hetero.plan import Plan
     from megatron.hetero.model import build_model, transformer_config
@@ -76,7 +84,9 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> t
             torch.cuda.synchronize()
 
     forwards, backwards, saved = [], [], []
-    for repeat in range(repeats + 2):  # two warm-up rounds
+    all_done = None  # every rank's `repeats` rounds timed
+    dist.barrier(group=everyone)
+    for repeat in itertools.count():  # two warm-up rounds first
         seen: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,6 +108,15 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int) -> t
             forwards.append(middle - start)
             backwards.append(end - middle)
             saved.append(sum(seen.values()))
+        if len(forwards) == repeats:
+            all_done = dist.barrier(group=everyone, async_op=True)
+        if all_done is not None:
+            # Tensor-parallel partners run every round together, so they stop together.
+            stop = torch.tensor([int(all_done.is_completed())], device=device)
+            dist.all_reduce(stop, op=dist.ReduceOp.MIN, group=parallel_state.get_tensor_model_parallel_group())
+            if stop.item():
+                break
+    all_done.wait()
     return statistics.median(forwards), statistics.median(backwards), statistics.median(saved)
 
 
@@ -123,22 +142,23 @@ def optimizer_step_per_param(args, repeats: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-def profile_entry(args, micro_batch_size: int, repeats: int) -> dict:
-    """One profile entry (this rank's tensor-parallel degree) from two model depths."""
+def profile_entry(args, micro_batch_size: int, repeats: int, everyone: dist.ProcessGroup) -> dict:
+    """One profile entry (this rank's tensor-parallel degree): a line through the depths."""
     from megatron.core import parallel_state
 
-    (f1, b1, s1), (f3, b3, s3) = (_time_model(args, n, micro_batch_size, repeats) for n in PROBE_LAYERS)
-    layers = PROBE_LAYERS[1] - PROBE_LAYERS[0]
-    floor = 1e-7  # noise can make a difference of medians tiny; the schema wants > 0
-    layer_f, layer_b = max(floor, (f3 - f1) / layers), max(floor, (b3 - b1) / layers)
+    forward, backward, saved = zip(*(_time_model(args, n, micro_batch_size, repeats, everyone)
+                                     for n in PROBE_LAYERS))
+    (layer_f, fixed_f), (layer_b, fixed_b), (layer_s, _) = (
+        numpy.polyfit(PROBE_LAYERS, values, 1) for values in (forward, backward, saved))
+    floor = 1e-7  # noise can make a slope tiny; the schema wants > 0
     return {
         "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
         "micro_batch_size": micro_batch_size,
-        "layer_forward_s": layer_f,
-        "layer_backward_s": layer_b,
-        "layer_activation_bytes": max(0.0, (s3 - s1) / layers),
-        "logits_forward_s": max(0.0, f1 - layer_f),
-        "logits_backward_s": max(0.0, b1 - layer_b),
+        "layer_forward_s": max(floor, layer_f),
+        "layer_backward_s": max(floor, layer_b),
+        "layer_activation_bytes": max(0.0, layer_s),
+        "logits_forward_s": max(0.0, fixed_f),
+        "logits_backward_s": max(0.0, fixed_b),
     }
 
 
@@ -179,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        from megatron.hetero.cpu_device import return_freed_memory_to_os
+        from megatron.hetero.cpu_device import configure_host_allocator
 
-        return_freed_memory_to_os()  # as pretrain_gpt.py does on the CPU: allocations cost the same
+        configure_host_allocator()  # as pretrain_gpt.py does on the CPU: allocations cost the same
     apply_patches()
     quiet_expected_warnings(int(os.environ.get("RANK", 0)))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -189,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device_type = _device_type(options.device_type)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    # Gloo on any device: its barrier is polled between rounds without a device sync.
+    everyone = dist.new_group(backend="gloo")
     cases = [(tp, mbs) for tp in options.tensor_parallel for mbs in options.micro_batch_sizes]
     results: dict[str, dict[tuple[int, int], list[dict]]] = {}  # device type -> case -> ranks' entries
     for number, (tp, mbs) in enumerate(cases, 1):
@@ -196,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
-        entry = profile_entry(args, mbs, options.repeats)
+        entry = profile_entry(args, mbs, options.repeats, everyone)
         parallel_state.destroy_model_parallel()
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))

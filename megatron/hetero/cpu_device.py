@@ -21,6 +21,7 @@ Nothing here is active on a process that has a GPU.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -165,6 +166,27 @@ def enable_cpu_device() -> list[str]:
 def active_mode() -> CudaAsCpuMode | None:
     """The installed mode (None before enable_cpu_device)."""
     return _active_mode
+
+
+KEEP_FREED_MEMORY_ENV = "HETERO_CPU_KEEP_FREED_MEMORY"
+
+
+def configure_host_allocator() -> str:
+    """How a CPU rank's freed tensors are handled, before the first one is allocated:
+    "returned" (the default) or "kept" (HETERO_CPU_KEEP_FREED_MEMORY=1); says which.
+
+    Returned: every freed tensor goes back to the operating system, so the process's peak
+    resident memory is the job's own peak - what the memory model predicts and the memory
+    lines report. Kept: glibc keeps freed memory for reuse, as a GPU's caching allocator
+    does. Timing runs on an emulated cluster want this: returning memory makes every
+    allocation fault its pages in again, and on a virtual machine that hands freed pages
+    back to its host (free page reporting) that cost an emulated run 30% of its iteration
+    time and varied it by 20-30% between runs of the same plan. Peak memory then counts
+    glibc's reuse slack (15% more here), so it is not the figure to compare.
+    """
+    if os.environ.get(KEEP_FREED_MEMORY_ENV, "") not in ("", "0"):
+        return "kept"
+    return "returned" if return_freed_memory_to_os() else "kept"
 
 
 def return_freed_memory_to_os(threshold_bytes: int = 128 * 1024) -> bool:

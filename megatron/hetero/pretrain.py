@@ -91,9 +91,9 @@ def main(argv: Sequence[str]) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        from megatron.hetero.cpu_device import return_freed_memory_to_os
+        from megatron.hetero.cpu_device import configure_host_allocator
 
-        return_freed_memory_to_os()
+        configure_host_allocator()
     try:
         args, plan, plan_source = configure(argv, launch)
         from megatron.hetero.training import run

@@ -32,6 +32,7 @@ CORES_USED = 0.75
 # c10d looks up the peer's hostname for its logs; addresses inside the run's namespaces
 # have none, and every connection would warn.
 NAMESPACE_NOISE = "The hostname of the client socket cannot be retrieved"
+KEEP_FREED_MEMORY_ENV = "HETERO_CPU_KEEP_FREED_MEMORY"  # read by megatron.hetero.cpu_device
 
 
 def stop_on_termination_signals() -> None:
@@ -99,6 +100,7 @@ class EmulatedCluster:
         relative = [p / self.reference_tflops for p in peaks]
         self.compute_scale = compute_scale or min(1.0, CORES_USED * (os.cpu_count() or 1) / sum(relative))
         self.cpu_fractions = [r * self.compute_scale for r in relative]
+        self.cpu_of_rank = balanced_cpus(self.cpu_fractions, sorted(os.sched_getaffinity(0)))
         fastest = max(cluster.node(h).nic.gbps for h, _ in layout.hosts) * 1000
         self.net_scale = net_scale or min(1.0, FASTEST_NIC_MBIT / fastest)
         self.node_links = [
@@ -117,7 +119,7 @@ class EmulatedCluster:
         lines = [f"emulated {self.cluster.name}: {len(self.layout.hosts)} nodes, "
                  f"{len(self.layout.device_types)} ranks" + ("" if self.shaped else " (UNSHAPED)")]
         for (host, ranks), link in zip(self.layout.hosts, self.node_links):
-            cores = ", ".join(f"{self.cpu_fractions[r]:.2f}" for r in ranks)
+            cores = ", ".join(f"{self.cpu_fractions[r]:.2f} on {self.cpu_of_rank[r]}" for r in ranks)
             shaping = f"{link.mbit_per_s:.0f} Mbit/s, {link.latency_us:.0f} us" if self.shaped else "unshaped"
             lines.append(f"  {host}: ranks {ranks[0]}-{ranks[-1]} {self.layout.device_types[ranks[0]]} "
                          f"(cores {cores}), NIC {shaping}")
@@ -156,6 +158,10 @@ class EmulatedCluster:
     def node_command(self, node_rank: int, argv: list[str], master_port: int) -> tuple[list[str], dict]:
         host, ranks = self.layout.hosts[node_rank]
         env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               # An accelerator's caching allocator keeps freed memory; returned to the OS, every
+               # allocation faults its pages in again and timings swing 20-30% between runs
+               # (megatron.hetero.cpu_device.configure_host_allocator). 0 returns it.
+               KEEP_FREED_MEMORY_ENV: os.environ.get(KEEP_FREED_MEMORY_ENV, "1"),
                "HETERO_DEVICE": ",".join(self.layout.device_types[r] for r in ranks),
                "HETERO_VENDOR": ",".join(self.layout.vendors[r] for r in ranks),
                "HETERO_EMULATED_HOST": host}
@@ -167,6 +173,7 @@ class EmulatedCluster:
             prefix = self._network.exec_prefix(host)
             env["GLOO_SOCKET_IFNAME"] = node.device
             env["HETERO_EMULATOR_CGROUPS"] = ",".join(str(self._quotas.path(r)) for r in ranks)
+            env["HETERO_EMULATOR_CPUS"] = ",".join(str(self.cpu_of_rank[r]) for r in ranks)
         command = [*prefix, sys.executable, "-m", "torch.distributed.run",
                    f"--nnodes={len(self.layout.hosts)}", f"--node-rank={node_rank}",
                    f"--nproc-per-node={len(ranks)}", f"--master-addr={master}",
@@ -250,6 +257,18 @@ class ElasticRunner:
                                   timeout=self.timeout, echo=self.echo,
                                   master_port=20000 + (emulated.run_id + 7 * attempt) % 20000)
         return AttemptResult(result.returncode, result.killed_hosts, result.lines)
+
+
+def balanced_cpus(fractions: list[float], cpus: list[int]) -> list[int]:
+    """A core for every rank, the largest quotas first onto the least-loaded core. Left to
+    the scheduler, two ranks sometimes shared one core for a whole run while their quotas
+    allowed more, and runs of one plan differed by 20%; pinned, by about 5%."""
+    load = {cpu: 0.0 for cpu in cpus}
+    placed = [cpus[0]] * len(fractions)
+    for rank in sorted(range(len(fractions)), key=lambda r: -fractions[r]):
+        placed[rank] = min(cpus, key=lambda c: load[c])
+        load[placed[rank]] += fractions[rank]
+    return placed
 
 
 def descendants(pids: list[int]) -> list[int]:

@@ -3,7 +3,8 @@ the real script (exec keeps the pid, so the quota covers the whole rank).
 
     torchrun ... -m tools.emulator.rank_entry pretrain_gpt.py --hetero-plan ...
 
-HETERO_EMULATOR_CGROUPS lists one cgroup directory per LOCAL_RANK (comma-separated).
+HETERO_EMULATOR_CGROUPS lists one cgroup directory per LOCAL_RANK (comma-separated),
+HETERO_EMULATOR_CPUS the core each LOCAL_RANK is pinned to.
 """
 
 import os
@@ -16,6 +17,9 @@ def main() -> None:
     cgroups = os.environ.get("HETERO_EMULATOR_CGROUPS")
     if cgroups:
         join(cgroups.split(",")[int(os.environ["LOCAL_RANK"])])
+    cpus = os.environ.get("HETERO_EMULATOR_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, {int(cpus.split(",")[int(os.environ["LOCAL_RANK"])])})
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tools.emulator.rank_entry SCRIPT [ARGS...]")
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
