@@ -125,7 +125,9 @@ def test_ranks_are_pinned_so_that_every_core_carries_a_like_share():
 
 
 @pytest.mark.slow
-def test_ctrl_c_removes_everything(tmp_path):
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_removes_everything(tmp_path, presses):
+    """Also when Ctrl-C comes twice: the second lands in the clean-up of the first."""
     script = tmp_path / "wait.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
     launcher = subprocess.Popen([sys.executable, "-m", "tools.emulator", "--cluster",
@@ -138,7 +140,9 @@ def test_ctrl_c_removes_everything(tmp_path):
             break
     run_id = launcher.pid % 100000
     assert _leftovers(run_id), "the emulator made no namespaces"
-    launcher.send_signal(signal.SIGINT)
+    for _ in range(presses):
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.05)
     output = launcher.communicate(timeout=60)[0]
     assert launcher.returncode == 130, "".join(seen) + output
     assert "removed everything it created" in output

@@ -3,10 +3,11 @@
     python -m tools.profile_compute --device-type cpu-fast -o profiles/ \\
         --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
 
-The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does. It is
+The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does, fed as
+training feeds it (its forward step: megatron-core's dataset, the batch, the loss). It is
 timed at 1, 2, 3 and 4 decoder layers, then again from 4 down to 1, and a line fitted through
-the eight medians: its slope is a layer, its intercept the embedding, output layer and loss
-(the profile's "logits"). On a shared machine (or an emulated device under a CPU quota) one
+the eight medians: its slope is a layer, its intercept the embedding, output layer, batch and
+loss (the profile's "logits"). On a shared machine (or an emulated device under a CPU quota) one
 round varies by 10-30%, and a difference of two depths' medians swung a layer's time by 30%;
 eight points average that out, and the way down cancels a drift of the machine's speed. Activation
 memory per layer is what autograd keeps for backward (saved-tensor hooks), on any device.
@@ -29,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy
 import torch
@@ -58,13 +60,23 @@ def _device_type(override: str | None) -> str:
     return override or detect_device(int(os.environ.get("LOCAL_RANK", 0))).device_type
 
 
+def _micro_batches(dataset, micro_batch_size: int) -> Iterator[dict]:
+    """Training's micro-batches, cycled: megatron-core's dataset, with the causal mask built
+    in the loader where Megatron-LM's default builds it there."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch_size)
+    while True:
+        yield from loader
+
+
 def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
-                everyone: dist.ProcessGroup) -> tuple[float, float, float]:
-    """(forward s, backward s, bytes saved for backward) of one micro-batch, medians of at
-    least `repeats` rounds; rounds go on until every rank of `everyone` has its `repeats`."""
+                everyone: dist.ProcessGroup, dataset) -> tuple[float, float, float]:
+    """(forward s, backward s, bytes saved for backward) of one micro-batch as training runs
+    it (reading the batch, the model, the loss), medians of at least `repeats` rounds; rounds
+    go on until every rank of `everyone` has its `repeats`."""
     from megatron.core import parallel_state
     from hetero.plan import Plan
     from megatron.hetero.model import build_model, transformer_config
+    from megatron.hetero.training import forward_step
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=1,
@@ -75,9 +87,7 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
     # gradient into the reduction buffer, a per-micro-batch cost.
     model = build_model(layered, plan, transformer_config(layered, plan))[0]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.padded_vocab_size, (micro_batch_size, args.seq_length), generator=generator).to(device)
-    positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+    batches = _micro_batches(dataset, micro_batch_size)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -97,7 +107,8 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
         sync()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(tokens, positions, None, labels=tokens).float().sum()
+            output, loss_of = forward_step(batches, model)
+            loss = loss_of(output)[0]
         sync()
         middle = time.perf_counter()
         loss.backward()
@@ -142,11 +153,11 @@ def optimizer_step_per_param(args, repeats: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-def profile_entry(args, micro_batch_size: int, repeats: int, everyone: dist.ProcessGroup) -> dict:
+def profile_entry(args, micro_batch_size: int, repeats: int, everyone: dist.ProcessGroup, dataset) -> dict:
     """One profile entry (this rank's tensor-parallel degree): a line through the depths."""
     from megatron.core import parallel_state
 
-    forward, backward, saved = zip(*(_time_model(args, n, micro_batch_size, repeats, everyone)
+    forward, backward, saved = zip(*(_time_model(args, n, micro_batch_size, repeats, everyone, dataset)
                                      for n in PROBE_LAYERS))
     (layer_f, fixed_f), (layer_b, fixed_b), (layer_s, _) = (
         numpy.polyfit(PROBE_LAYERS, values, 1) for values in (forward, backward, saved))
@@ -211,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     # Gloo on any device: its barrier is polled between rounds without a device sync.
     everyone = dist.new_group(backend="gloo")
+    dataset = data.build_datasets(args, data.build_tokenizer(args), 64 * max(options.micro_batch_sizes))[0]
     cases = [(tp, mbs) for tp in options.tensor_parallel for mbs in options.micro_batch_sizes]
     results: dict[str, dict[tuple[int, int], list[dict]]] = {}  # device type -> case -> ranks' entries
     for number, (tp, mbs) in enumerate(cases, 1):
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
-        entry = profile_entry(args, mbs, options.repeats, everyone)
+        entry = profile_entry(args, mbs, options.repeats, everyone, dataset)
         parallel_state.destroy_model_parallel()
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))

@@ -12,6 +12,7 @@ that the RATIOS between devices and between NICs are those of the real cluster:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -33,6 +34,25 @@ CORES_USED = 0.75
 # have none, and every connection would warn.
 NAMESPACE_NOISE = "The hostname of the client socket cannot be retrieved"
 KEEP_FREED_MEMORY_ENV = "HETERO_CPU_KEEP_FREED_MEMORY"  # read by megatron.hetero.cpu_device
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Clean-up that a second Ctrl-C (or a SIGTERM after it) cannot cut short: it left the
+    job's processes running once. The signals that arrive meanwhile are delivered after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, lambda signum, frame: arrived.append(signum)) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in arrived[:1]:
+            os.kill(os.getpid(), signum)
 
 
 def stop_on_termination_signals() -> None:
@@ -142,10 +162,11 @@ class EmulatedCluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._quotas:
-            self._quotas.remove()
-        if self._network:
-            self._network.remove()
+        with signals_held():
+            if self._quotas:
+                self._quotas.remove()
+            if self._network:
+                self._network.remove()
 
     def cut_link(self, host: str) -> None:
         """Drops one node's link while a job runs (a fault to test against)."""
@@ -220,9 +241,10 @@ class EmulatedCluster:
             else:
                 result.killed_hosts = self._killed_hosts(procs)
         finally:
-            kill_trees([p.pid for p in procs if p.poll() is None])
-            for proc in procs:
-                proc.wait()
+            with signals_held():
+                kill_trees([p.pid for p in procs if p.poll() is None])
+                for proc in procs:
+                    proc.wait()
             for reader in readers:
                 reader.join(timeout=5)
         result.returncode = next((p.returncode for p in procs if p.returncode not in (0, None)), 0)
