@@ -75,6 +75,8 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 # megatron-core's regular sharding grid cannot describe when stages differ (plan version 3).
 # Per-layer keys hold one stage's shards each, so any plan loads any other's checkpoint.
 MODEL_SHARDING = {"singleton_local_shards": True}
+
+
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 

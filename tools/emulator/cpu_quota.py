@@ -6,7 +6,9 @@ every thread it creates - gloo's included - counts against the quota.
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 from pathlib import Path
 
 from hetero.errors import HeteroError
@@ -15,6 +17,7 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 # A short period: a rank over its quota waits for the next period, and a 100 ms default
 # would add tens of milliseconds to every message that finds its receiver throttled.
 PERIOD_US = 10_000
+REMOVE_WAIT_S = 10.0  # for killed ranks to finish exiting
 
 
 def missing_prerequisites() -> list[str]:
@@ -55,16 +58,25 @@ class CpuQuotas:
 
     def remove(self) -> None:
         root_procs = CPU_CGROUP / "cgroup.procs"
+        deadline = time.monotonic() + REMOVE_WAIT_S
         for path in reversed(self.paths):
-            try:
-                for pid in (path / "cgroup.procs").read_text().split():
-                    try:
-                        root_procs.write_text(pid)
-                    except OSError:  # exited meanwhile
-                        pass
-                path.rmdir()
-            except OSError:
-                pass
+            while True:
+                try:
+                    for pid in (path / "cgroup.procs").read_text().split():
+                        try:
+                            root_procs.write_text(pid)
+                        except OSError:  # exited meanwhile
+                            pass
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as err:
+                    # EBUSY while a SIGKILLed rank's children are still exiting: they
+                    # cannot be moved out, and the cgroup stayed behind after Ctrl-C.
+                    if err.errno != errno.EBUSY or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
         self.paths.clear()
 
 
