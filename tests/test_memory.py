@@ -5,6 +5,9 @@ tensors to the system, so the peak is what the job held, not what the heap kept)
 Tolerance: 10% per stage (seen here: within 1% for GPT, 3% for Llama-style with TP=2).
 """
 
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +17,7 @@ from hetero.costs import CostModel, TrainingSetup
 from hetero.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predictor import predict
+from megatron.hetero.cpu_device import KEEP_FREED_MEMORY_ENV
 from megatron.hetero.log import cpu_peak_memory_mb
 
 pytestmark = pytest.mark.slow
@@ -102,12 +106,6 @@ print(mode, round(resident_mb() - before))
 
 @pytest.mark.parametrize("keep, mode, resident_mb", [("", "returned", (0, 2)), ("1", "kept", (15, 20))])
 def test_a_cpu_rank_returns_freed_tensors_unless_told_to_keep_them(keep, mode, resident_mb):
-    import os
-    import subprocess
-    import sys
-
-    from megatron.hetero.cpu_device import KEEP_FREED_MEMORY_ENV
-
     done = subprocess.run([sys.executable, "-c", RESIDENT_AFTER_FREE], capture_output=True, text=True,
                           env={**os.environ, KEEP_FREED_MEMORY_ENV: keep}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
