@@ -1,6 +1,6 @@
 """The planner's claims measured on an emulated cluster (tools/emulator), as real runs.
 
-    sudo python bench/emulated_bench.py            # ~15 min on 2 cores; needs root
+    sudo python bench/emulated_bench.py            # ~70 min on 2 cores; needs root
     python bench/emulated_bench.py --out DIR       # results.json, report.md, timeline.png
 
 1. Predictor accuracy: on two emulated clusters - compute heterogeneity (3 fast + 1 half-
@@ -18,6 +18,10 @@
    (TP=2 inside a node, with TP=2 profiles), both together, a degree per stage (1/2/1,
    plan version 3), and the planner's own pick.
 5. timeline.png: a measured iteration of the planner's plan above its prediction.
+
+Each cluster's compute is profiled twice, before its runs (the planner plans with that) and
+after them; every row is predicted with the median of the two passes, and also, in a column
+of its own, with the pass before alone.
 
 Every plan runs --repeats timed runs (fresh processes each time) and one more for peak
 memory; a row reports the median of the timed runs' iteration times and their spread
@@ -75,6 +79,7 @@ class Bench:
         self.out, self.iterations, self.repeats, self.max_plans = out, iterations, repeats, max_plans
         self.spec = model_spec()
         self.results: dict = {"predictor": [], "quality": {}, "nic": {}}
+        self.plans: list[Plan] = []  # of the predictor rows
 
     def log(self, message: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -95,16 +100,54 @@ class Bench:
 
     def profile(self, name: str, cluster: Cluster, tensor_parallel: tuple[int, ...] = (1,),
                 micro_batch_sizes: tuple[int, ...] = (1, 2, 4)) -> tuple[Profiles, EmulatedCluster]:
+        """Compute and links, before the runs (what the planner plans with)."""
         directory = self.out / name / "profiles"
         emulated = self.emulator(cluster, RankLayout.of_cluster(cluster))
         self.log(f"{name}: profiling compute and links on the emulated cluster\n{emulated.describe()}")
-        self.run(emulated, ["-m", "tools.profile_compute", "-o", str(directory), "--micro-batch-sizes",
-                            *map(str, micro_batch_sizes), "--tensor-parallel", *map(str, tensor_parallel), "--",
-                            *MODEL_FLAGS, *DATA_FLAGS],
-                 "compute profile")
+        self.profile_compute(directory, cluster, emulated, tensor_parallel, micro_batch_sizes)
         self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), emulated),
                  ["-m", "tools.profile_network", "-o", str(directory)], "link profile")
         return Profiles.load_dir(directory), emulated
+
+    def profile_compute(self, directory: Path, cluster: Cluster, like: EmulatedCluster,
+                        tensor_parallel: tuple[int, ...], micro_batch_sizes: tuple[int, ...]) -> Profiles:
+        self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), like),
+                 ["-m", "tools.profile_compute", "-o", str(directory), "--micro-batch-sizes",
+                  *map(str, micro_batch_sizes), "--tensor-parallel", *map(str, tensor_parallel), "--",
+                  *MODEL_FLAGS, *DATA_FLAGS],
+                 "compute profile")
+        return Profiles.load_dir(directory)
+
+    def settle(self, name: str, cluster: Cluster, before: Profiles, like: EmulatedCluster,
+               tensor_parallel: tuple[int, ...] = (1,), micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+               ) -> dict[int, Prediction]:
+        """Profiles compute again after the cluster's runs and predicts every run plan with the
+        median of the two passes; the error against the pass before the runs is reported beside.
+        The VM's speed drifts ~10% over minutes: one pass carries the drift of the minutes it
+        was taken in, and runs 10-30 minutes later are measured at another speed."""
+        self.log(f"{name}: profiling compute again, after the runs")
+        after = self.profile_compute(self.out / name / "profiles-after", cluster, like, tensor_parallel,
+                                     micro_batch_sizes)
+        both = CostModel(cluster, self.spec, SETUP, before.with_compute_passes(after))
+        first = CostModel(cluster, self.spec, SETUP, before)
+        predictions = {}
+        for index, row in enumerate(self.results["predictor"]):
+            if row["cluster"] != name or "predicted_s" in row:
+                continue
+            plan = self.plans[index]
+            prediction = predictions[index] = predict(plan, cluster, both)
+            row["predicted_s"] = prediction.iteration_time_s
+            row["time_error"] = row["predicted_s"] / row["measured_s"] - 1
+            row["predicted_before_s"] = predict(plan, cluster, first).iteration_time_s
+            row["time_error_before"] = row["predicted_before_s"] / row["measured_s"] - 1
+            predicted_memory = {r.slot.stage: r.memory.total for r in prediction.reports if r.slot.replica == 0}
+            row["memory"] = [{"stage": s, "predicted_mb": predicted_memory[s] / 2**20, "measured_mb": m / 2**20,
+                              "error": predicted_memory[s] / m - 1} for s, m in row.pop("memory_per_stage")]
+            self.log(f"  {row['plan']}: measured {row['measured_s']:.3f} s, predicted {row['predicted_s']:.3f} s "
+                     f"({row['time_error']:+.1%}; from the pass before the runs {row['time_error_before']:+.1%}); "
+                     "memory " + ", ".join(f"stage {m['stage']} {m['measured_mb']:.0f} MB vs {m['predicted_mb']:.0f} "
+                                           f"({m['error']:+.1%})" for m in row["memory"]))
+        return predictions
 
     def measure(self, name: str, cluster: Cluster, plan: Plan, like: EmulatedCluster,
                 trace_dir: Path | None = None) -> dict:
@@ -140,27 +183,19 @@ class Bench:
                 "runs_s": runs, "spread": (max(runs) - min(runs)) / iteration, "all_iterations_s": times,
                 "memory_per_stage": {s: statistics.median(m) for s, m in stage_memory.items()}}
 
-    def compare(self, cluster_name: str, label: str, cluster: Cluster, plan: Plan, costs: CostModel,
-                like: EmulatedCluster, trace_dir: Path | None = None) -> tuple[dict, Prediction]:
-        prediction = predict(plan, cluster, costs)
+    def compare(self, cluster_name: str, label: str, cluster: Cluster, plan: Plan, like: EmulatedCluster,
+                trace_dir: Path | None = None) -> tuple[dict, int]:
+        """Measures a plan; `settle` predicts it once the cluster's runs are done."""
         self.log(f"{cluster_name}: running {label}: {describe(plan)}")
         measured = self.measure(f"{cluster_name}/{slug(label)}", cluster, plan, like, trace_dir)
-        predicted_memory = {r.slot.stage: r.memory.total for r in prediction.reports if r.slot.replica == 0}
-        row = {"cluster": cluster_name, "plan": label, "layout": describe(plan),
-               "predicted_s": prediction.iteration_time_s, "measured_s": measured["iteration_s"],
-               "time_error": prediction.iteration_time_s / measured["iteration_s"] - 1,
+        row = {"cluster": cluster_name, "plan": label, "layout": describe(plan), "measured_s": measured["iteration_s"],
                "runs_s": measured["runs_s"], "spread": measured["spread"], "iterations_s": measured["all_iterations_s"],
                "measured_tokens_per_s": measured["tokens_per_s"],
-               "memory": [{"stage": s, "predicted_mb": predicted_memory[s] / 2**20, "measured_mb": m / 2**20,
-                           "error": predicted_memory[s] / m - 1}
-                          for s, m in sorted(measured["memory_per_stage"].items())]}
+               "memory_per_stage": sorted(measured["memory_per_stage"].items())}
         self.results["predictor"].append(row)
-        self.log(f"  measured {row['measured_s']:.3f} s (median of {len(row['runs_s'])}, spread "
-                 f"{row['spread']:.1%}), predicted {row['predicted_s']:.3f} s "
-                 f"({row['time_error']:+.1%}); memory " + ", ".join(
-                     f"stage {m['stage']} {m['measured_mb']:.0f} MB vs {m['predicted_mb']:.0f} ({m['error']:+.1%})"
-                     for m in row["memory"]))
-        return row, prediction
+        self.plans.append(plan)
+        self.log(f"  measured {row['measured_s']:.3f} s (median of {len(row['runs_s'])}, spread {row['spread']:.1%})")
+        return row, len(self.plans) - 1
 
     def alternatives(self, planner: Planner, taken: list[Plan], count: int) -> list[tuple[str, Plan]]:
         """The planner's next-best distinct layouts (other PP degree, family or micro-batch)."""
@@ -181,16 +216,14 @@ class Bench:
     def compute_cluster(self, global_batch: int) -> None:
         cluster = Cluster.load(CLUSTERS / "emu_compute.yaml")
         profiles, like = self.profile("compute", cluster)
-        costs = CostModel(cluster, self.spec, SETUP, profiles)
         planner = Planner(cluster, self.spec, global_batch, OPTIONS, profiles)
         best = planner.plan()
         baseline = megatron_baseline(cluster, self.spec, global_batch, OPTIONS, profiles)
         trace_dir = self.out / "compute" / "trace"
-        planned, prediction = self.compare("compute", "planner", cluster, best.plan, costs, like, trace_dir)
-        stock, _ = self.compare("compute", "Megatron baseline", cluster, baseline.plan, costs, like)
+        planned, planned_index = self.compare("compute", "planner", cluster, best.plan, like, trace_dir)
+        stock, _ = self.compare("compute", "Megatron baseline", cluster, baseline.plan, like)
         for label, plan in self.alternatives(planner, [best.plan, baseline.plan], 2):
-            self.compare("compute", label, cluster, plan, costs, like)
-        measured_timeline_png(best.plan, prediction, load_traces(trace_dir), self.out / "timeline.png")
+            self.compare("compute", label, cluster, plan, like)
         alone = {}
         for device_type, count in cluster.device_counts().items():
             share = round(global_batch * count / cluster.num_devices)
@@ -199,6 +232,8 @@ class Bench:
             self.log(f"compute: upper bound, {device_type} alone on {share} of {global_batch} sequences: {describe(plan)}")
             alone[device_type] = self.measure(f"compute/alone-{device_type}", sub, plan, like)["tokens_per_s"]
         bound = sum(alone.values())
+        predictions = self.settle("compute", cluster, profiles, like)
+        measured_timeline_png(best.plan, predictions[planned_index], load_traces(trace_dir), self.out / "timeline.png")
         self.results["quality"] = {
             "planner_tokens_per_s": planned["measured_tokens_per_s"],
             "baseline_tokens_per_s": stock["measured_tokens_per_s"],
@@ -214,19 +249,19 @@ class Bench:
         planner = Planner(cluster, self.spec, global_batch, OPTIONS, profiles)
         best = planner.plan().plan
         in_launch_order = Plan.from_dict({**best.to_dict(), "rank_order": list(range(best.world_size))})
-        aware, _ = self.compare("nic", "planner (NIC-aware order)", cluster, best, costs, like)
+        aware, _ = self.compare("nic", "planner (NIC-aware order)", cluster, best, like)
         taken = [best]
         if best.rank_order != in_launch_order.rank_order:
-            launch, _ = self.compare("nic", "same plan in launch order", cluster, in_launch_order, costs, like)
+            launch, _ = self.compare("nic", "same plan in launch order", cluster, in_launch_order, like)
             taken.append(in_launch_order)
         else:
             launch = aware
         baseline = megatron_baseline(cluster, self.spec, global_batch, OPTIONS, profiles).plan
         if layout_key(baseline) not in {layout_key(p) for p in taken}:
-            self.compare("nic", "Megatron baseline", cluster, baseline, costs, like)
+            self.compare("nic", "Megatron baseline", cluster, baseline, like)
             taken.append(baseline)
         for label, plan in self.alternatives(planner, taken, 1):
-            self.compare("nic", label, cluster, plan, costs, like)
+            self.compare("nic", label, cluster, plan, like)
         # Where the order decides which links data parallelism crosses: PP=2 x DP=2, each
         # stage's replicas on the two IB nodes or on an IB and an Ethernet node.
         uniform = Plan.uniform(tensor_parallel=1, pipeline_parallel=2, data_parallel=2, micro_batch_size=1,
@@ -234,8 +269,9 @@ class Bench:
                                devices=best.devices)
         orders = [Plan.from_dict({**uniform.to_dict(), "rank_order": order}) for order in ([0, 2, 1, 3], [0, 1, 2, 3])]
         ranked = sorted(orders, key=lambda p: predict(p, cluster, costs).iteration_time_s)
-        pp_aware, _ = self.compare("nic", "PP2xDP2, predictor's order", cluster, ranked[0], costs, like)
-        pp_other, _ = self.compare("nic", "PP2xDP2, other order", cluster, ranked[1], costs, like)
+        pp_aware, _ = self.compare("nic", "PP2xDP2, predictor's order", cluster, ranked[0], like)
+        pp_other, _ = self.compare("nic", "PP2xDP2, other order", cluster, ranked[1], like)
+        self.settle("nic", cluster, profiles, like)
         self.results["nic"] = {"aware_tokens_per_s": aware["measured_tokens_per_s"],
                                "launch_order_tokens_per_s": launch["measured_tokens_per_s"],
                                "speedup": aware["measured_tokens_per_s"] / launch["measured_tokens_per_s"],
@@ -248,7 +284,6 @@ class Bench:
         """Uneven pipelines with unequal replicas, TP=2, both, and the planner's pick."""
         cluster = Cluster.load(CLUSTERS / "cpu_demo.yaml")
         profiles, like = self.profile("shapes", cluster, tensor_parallel=(1, 2), micro_batch_sizes=(1, 2))
-        costs = CostModel(cluster, self.spec, SETUP, profiles)
         devices = [d.model_dump() for d in Plan.uniform(
             tensor_parallel=1, pipeline_parallel=1, data_parallel=4, micro_batch_size=1,
             num_layers=self.spec.num_layers, global_batch_size=4,
@@ -278,7 +313,8 @@ class Bench:
         picked = Planner(cluster, self.spec, global_batch, options, profiles).plan().plan
         shapes.append(("planner (TP 1 or 2)", picked))
         for label, shape in shapes[: self.max_plans]:
-            self.compare("shapes", label, cluster, shape, costs, like)
+            self.compare("shapes", label, cluster, shape, like)
+        self.settle("shapes", cluster, profiles, like, tensor_parallel=(1, 2), micro_batch_sizes=(1, 2))
 
 
 def per_stage_plan(layers: int, global_batch: int, devices: list[dict]) -> Plan:
@@ -318,17 +354,23 @@ def load_traces(directory: Path) -> list[dict]:
 def report(results: dict) -> str:
     rows = results["predictor"]
     lines = ["## Predictor vs measured (emulated clusters, profiles taken on them)", "",
-             "| cluster | plan | layout | measured s/iter (median) | spread | predicted | error | memory measured vs predicted (MB) |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             "Predicted with the median of two compute profiles, one before and one after the "
+             "cluster's runs; the last error column predicts from the pass before the runs alone.", "",
+             "| cluster | plan | layout | measured s/iter (median) | spread | predicted | error | "
+             "memory measured vs predicted (MB) | error, profile before runs only |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         memory = "; ".join(f"s{m['stage']} {m['measured_mb']:.0f} vs {m['predicted_mb']:.0f} ({m['error']:+.1%})"
                            for m in r["memory"])
         lines.append(f"| {r['cluster']} | {r['plan']} | {r['layout']} | {r['measured_s']:.3f} | "
-                     f"{r['spread']:.1%} | {r['predicted_s']:.3f} | {r['time_error']:+.1%} | {memory} |")
+                     f"{r['spread']:.1%} | {r['predicted_s']:.3f} | {r['time_error']:+.1%} | {memory} | "
+                     f"{r['time_error_before']:+.1%} |")
     time_mae = statistics.mean(abs(r["time_error"]) for r in rows)
+    before_mae = statistics.mean(abs(r["time_error_before"]) for r in rows)
     memory_mae = statistics.mean(abs(m["error"]) for r in rows for m in r["memory"])
     lines += ["", f"Mean absolute error: iteration time {time_mae:.1%}, peak memory {memory_mae:.1%} "
-              f"over {len(rows)} plans (target <= 5%).", ""]
+              f"over {len(rows)} plans (target <= 5%); iteration time from the profile before the runs "
+              f"alone {before_mae:.1%}.", ""]
     q = results["quality"]
     if q:
         compute = [r for r in rows if r["cluster"] == "compute"]
@@ -362,7 +404,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "bench-emulated"))
     parser.add_argument("--iterations", type=int, default=6, help="training iterations per run (2 warm-up)")
-    parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--global-batch-size", type=int, default=48,
+                        help="of the compute cluster: 24 micro-batches of 2 split 7/7/7/3 within 2%% of the "
+                             "devices' speeds; 16 of 2 (32) cannot come closer than 9%%")
+    parser.add_argument("--small-global-batch-size", type=int, default=16, help="of the NIC and shapes clusters")
     parser.add_argument("--only", choices=["compute", "nic", "shapes"], default=None)
     parser.add_argument("--repeats", type=int, default=3, help="runs of every plan (median, spread)")
     parser.add_argument("--plans", type=int, default=None, help="at most this many plans of the shapes scenario")
@@ -379,9 +424,9 @@ def main() -> int:
     if options.only in (None, "compute"):
         bench.compute_cluster(options.global_batch_size)
     if options.only in (None, "nic"):
-        bench.nic_cluster(options.global_batch_size // 2)
+        bench.nic_cluster(options.small_global_batch_size)
     if options.only in (None, "shapes"):
-        bench.shapes_cluster(options.global_batch_size // 2)
+        bench.shapes_cluster(options.small_global_batch_size)
     (out / "results.json").write_text(json.dumps(bench.results, indent=1))
     text = report(bench.results)
     (out / "report.md").write_text(text)

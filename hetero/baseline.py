@@ -114,14 +114,14 @@ def _compute_only(model: ModelSpec, global_batch_size: int, layout: _UniformLayo
     tp, pp, dp, mbs = layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel, layout.micro_batch_size
     layers = model.num_layers // pp
 
-    def stage(device: DeviceEntry, last: bool) -> StageTiming:
+    def stage(device: DeviceEntry, s: int) -> StageTiming:
         layer = [c.layer_cost(device.device_type, device.host, tp, mbs, c.setup.recompute) for c in costs]
-        logits = costs[0].logits_times(device.device_type, tp, mbs) if last else (0.0, 0.0)
-        return StageTiming(layers * min(x.forward_s for x in layer) + logits[0],
-                           layers * min(x.backward_s for x in layer) + logits[1])
+        extra = costs[0].stage_extra_times(device.device_type, tp, mbs, first=s == 0, last=s == pp - 1)
+        return StageTiming(layers * min(x.forward_s for x in layer) + extra[0],
+                           layers * min(x.backward_s for x in layer) + extra[1])
 
     def replica(d: int) -> tuple[StageTiming, ...]:  # the uniform plan's rank_order is the identity
-        return tuple(stage(devices[logical_rank_at(0, d, s, tp, dp)], s == pp - 1) for s in range(pp))
+        return tuple(stage(devices[logical_rank_at(0, d, s, tp, dp)], s) for s in range(pp))
 
     return _ComputeOnly(list(dict.fromkeys([replica(0), replica(dp - 1)])), global_batch_size // (mbs * dp))
 

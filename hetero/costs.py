@@ -228,19 +228,43 @@ class CostModel:
             return LayerCost(forward + 2 * allreduce, backward + (2 + recomputed) * allreduce)
         return self._memo(("layer", device_name, host, tensor_parallel, micro_batch_size, recompute), compute)
 
-    def logits_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
-        """(forward, backward) of the output layer and loss on the last stage."""
+    def stage_extra_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int,
+                          first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) a stage spends per micro-batch beyond its decoder layers: the
+        first reads the batch and runs the embedding, the last reads the labels and runs the
+        output layer and loss. A profile measures it all as "logits" (a one-stage model);
+        its embedding share, when measured, goes to the first stage, the rest to the last
+        (a profile without the share puts it all on the last, as earlier releases did)."""
+        if not (first or last):
+            return 0.0, 0.0
         profile = self._compute_profile(device_name)
         if profile is not None:
             entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
             if entry.logits_forward_s is not None and entry.logits_backward_s is not None:
-                return entry.logits_forward_s * scale, entry.logits_backward_s * scale
+                whole = entry.logits_forward_s, entry.logits_backward_s
+                split = entry.embedding_forward_s is not None and entry.embedding_backward_s is not None
+                if first and last:
+                    part = whole
+                elif not split:
+                    part = whole if last else (0.0, 0.0)
+                elif first:
+                    part = (entry.batch_s or 0.0) + entry.embedding_forward_s, entry.embedding_backward_s
+                else:
+                    part = max(0.0, whole[0] - entry.embedding_forward_s), max(0.0, whole[1] - entry.embedding_backward_s)
+                return part[0] * scale, part[1] * scale
         m, v = self.model, self.setup.value_bytes
         tokens = m.seq_length * micro_batch_size
-        vocab = m.vocab_size / tensor_parallel
-        forward = self._gemm_s(device_name, tokens, vocab, m.hidden_size) + self._memory_s(
-            device_name, tokens * vocab * (v + 4) * 2)  # logits to fp32, softmax, loss
-        return forward, 2 * forward
+        forward = backward = 0.0
+        if first:  # a lookup and the position embedding's add; backward writes the table's dense gradient
+            forward += self._memory_s(device_name, 3 * tokens * m.hidden_size * v)
+            backward += self._memory_s(device_name, tokens * m.hidden_size * v + m.vocab_size / tensor_parallel
+                                       * m.hidden_size * self.setup.grad_bytes)
+        if last:
+            vocab = m.vocab_size / tensor_parallel
+            logits = self._gemm_s(device_name, tokens, vocab, m.hidden_size) + self._memory_s(
+                device_name, tokens * vocab * (v + 4) * 2)  # logits to fp32, softmax, loss
+            forward, backward = forward + logits, backward + 2 * logits
+        return forward, backward
 
     def layer_activation_bytes(self, tensor_parallel: int, micro_batch_size: int,
                                recompute: str | None = None) -> float:

@@ -290,9 +290,18 @@ class Planner:
         return self._memo(("times", pattern, modes, tp, mbs), lambda: [
             self._layer_time(c, tp, mbs, mode) for c, mode in zip(pattern, modes)])
 
-    def _logits_time(self, c: int, tp: Degrees, mbs: int) -> float:
-        return self._memo(("logits", c, tp[c], max(tp), mbs),
-                          lambda: sum(self._job_costs(tp).logits_times(self.classes[c].device_type, tp[c], mbs)))
+    def _extra_time(self, c: int, tp: Degrees, mbs: int, first: bool, last: bool) -> float:
+        """What a stage on class c runs beyond its layers (CostModel.stage_extra_times)."""
+        return self._memo(("extra", c, tp[c], max(tp), mbs, first, last), lambda: sum(
+            self._job_costs(tp).stage_extra_times(self.classes[c].device_type, tp[c], mbs, first, last)))
+
+    def _end_times(self, first: Iterable[int], last: Iterable[int], stages: int, tp: Degrees,
+                   mbs: int) -> tuple[float, float]:
+        """(first stage's, last stage's) work beyond layers, the slowest of the classes at
+        each; a one-stage pipeline's is all the last's."""
+        at_last = max(self._extra_time(c, tp, mbs, stages == 1, True) for c in last)
+        at_first = max(self._extra_time(c, tp, mbs, True, False) for c in first) if stages > 1 else 0.0
+        return at_first, at_last
 
     def _layer_cap(self, c: int, tp: Degrees, mbs: int, dp: int, stage: int, stages: int,
                    recompute: str | None = None, num_micro_batches: int | None = None) -> int:
@@ -445,7 +454,9 @@ class Planner:
         """(layers per stage, micro-batches per replica of each pattern, seconds of the
         busiest replica), None if they cannot be split."""
         extra = list(map(max, zip(*pipe.sends.values())))
-        extra[-1] += max(self._logits_time(c, tp, mbs) for c in pipe.at_stage[-1])
+        at_first, at_last = self._end_times(pipe.at_stage[0], pipe.at_stage[-1], len(extra), tp, mbs)
+        extra[0] += at_first
+        extra[-1] += at_last
         per_layer = list(map(max, zip(*pipe.times.values())))  # each stage's slowest class
         layers = split_layers(self.model.num_layers, per_layer, extra, pipe.caps)
         if layers is None:
@@ -496,7 +507,7 @@ class Planner:
         rate = offset = slowest_single = 0.0
         for p, n in counts.items():
             least = (_least_layer_work(times[p], caps, num_layers) + sum(sends[p])
-                     + self._logits_time(p[-1], tp, mbs))
+                     + sum(self._end_times([p[0]], [p[-1]], len(p), tp, mbs)))
             step = num_layers / sum(1 / t for t in times[p])
             rate += n / step
             offset += n * least / step
@@ -528,7 +539,9 @@ class Planner:
         the others fill and drain it)."""
         times = self._stage_layer_times(pattern, tuple(modes), tp, mbs)
         work = [n * t + x for n, t, x in zip(layers, times, sends)]
-        work[-1] += self._logits_time(pattern[-1], tp, mbs)
+        at_first, at_last = self._end_times([pattern[0]], [pattern[-1]], len(pattern), tp, mbs)
+        work[0] += at_first
+        work[-1] += at_last
         return sum(work) - max(work), max(work)
 
     def _reduce_and_step(self, tp: Degrees, mbs: int, d: int, layers: list[int], modes: list[str],

@@ -129,9 +129,8 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
         s, d, host, tp = slot.stage, slot.replica, slot.hosts[0], tps[slot.stage]
         layer = costs.layer_cost(slot.device_type, host, tp, mbs, stage_recompute(plan, s, costs))
         forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
-        if s == pp - 1:
-            logits_f, logits_b = costs.logits_times(slot.device_type, tp, mbs)
-            forward, backward = forward + logits_f, backward + logits_b
+        extra_f, extra_b = costs.stage_extra_times(slot.device_type, tp, mbs, first=s == 0, last=s == pp - 1)
+        forward, backward = forward + extra_f, backward + extra_b
         send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
                                       tps[s + 1]) if s < pp - 1 else 0.0
         send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],

@@ -10,13 +10,18 @@ compute - one device type, one model shape, timings per (tensor parallel, micro-
      "entries": [{"tensor_parallel": 1, "micro_batch_size": 1,
                   "layer_forward_s": 0.0071, "layer_backward_s": 0.0139,
                   "layer_activation_bytes": 1.1e9,                      # optional
-                  "logits_forward_s": 0.004, "logits_backward_s": 0.008}],   # optional
+                  "logits_forward_s": 0.004, "logits_backward_s": 0.008,    # optional
+                  "batch_s": 0.0002,                                        # optional
+                  "embedding_forward_s": 0.0003, "embedding_backward_s": 0.0006}],  # optional
      "optimizer_step_s_per_param": 2.1e-11}                                  # optional
 
 links - measured point-to-point routes between hosts (a host with itself: inside a node):
 
     {"kind": "links", "links": [{"hosts": ["a0", "b0"], "bandwidth_gbs": 11.2, "latency_us": 14}],
      "collectives": [{"op": "allreduce", "hosts": ["a0", "a0", "b0"], "bytes": 6.7e7, "seconds": 0.31}]}
+
+"logits" is all of a one-stage model that is not a decoder layer (the batch, embedding,
+output layer and loss); the batch and embedding fields are its first stage's part.
 
 A link's bandwidth is what ONE device pair gets while every device of the two hosts
 transfers at once (the NIC shared), as cluster.py's routes mean it.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Literal
 
@@ -60,6 +66,11 @@ class ComputeEntry(_Strict):
     layer_activation_bytes: float | None = Field(default=None, ge=0)
     logits_forward_s: float | None = Field(default=None, ge=0)
     logits_backward_s: float | None = Field(default=None, ge=0)
+    # The first stage's part of "logits" (which is all that is not a decoder layer): reading
+    # the batch, and the embedding's forward and backward.
+    batch_s: float | None = Field(default=None, ge=0)
+    embedding_forward_s: float | None = Field(default=None, ge=0)
+    embedding_backward_s: float | None = Field(default=None, ge=0)
 
 
 class ComputeProfile(_Strict):
@@ -71,6 +82,35 @@ class ComputeProfile(_Strict):
     optimizer_step_s_per_param: float | None = Field(default=None, gt=0)
     """Adam step (with gradient-norm clipping) per parameter held."""
     measured_on: str | None = None
+
+
+def median_entry(entries: list[dict]) -> dict:
+    """One entry from several measurements of the same case (ranks of a device type, or
+    profiling passes): the median of every timing and size."""
+    merged = dict(entries[0])
+    for key in merged:
+        if key.endswith("_s") or key.endswith("_bytes"):
+            values = [e[key] for e in entries if e.get(key) is not None]
+            merged[key] = statistics.median(values) if values else None
+    return merged
+
+
+def median_profile(passes: list[ComputeProfile]) -> ComputeProfile:
+    """One device type's profile from passes taken at different times. A machine whose
+    speed drifts over minutes (a shared virtual machine) puts its drift into any single
+    pass; the median of passes spread over a job's runs does not carry one moment's."""
+    if len({(p.device_type, p.precision) for p in passes}) != 1:
+        raise HeteroError("median_profile: the passes profile different device types or precisions")
+    cases: dict[tuple[int, int], list[dict]] = {}
+    for profile in passes:
+        for entry in profile.entries:
+            cases.setdefault((entry.tensor_parallel, entry.micro_batch_size), []).append(entry.model_dump())
+    steps = [p.optimizer_step_s_per_param for p in passes if p.optimizer_step_s_per_param is not None]
+    return ComputeProfile.model_validate({
+        **passes[0].model_dump(),
+        "entries": [median_entry(entries) for entries in cases.values()],
+        "optimizer_step_s_per_param": statistics.median(steps) if steps else None,
+        "measured_on": "median of " + "; ".join(str(p.measured_on) for p in passes)})
 
 
 class LinkEntry(_Strict):
@@ -127,6 +167,16 @@ class Profiles:
                 raise HeteroError(describe_validation_error(
                     err, str(path), f"{kind} profile", "See hetero/profiles.py for the format.")) from None
         return cls(compute, links)
+
+    def with_compute_passes(self, *later: "Profiles") -> "Profiles":
+        """These links, and every device type's compute profile the median of this pass and
+        the later ones (median_profile)."""
+        passes: dict[tuple, list[ComputeProfile]] = {}
+        for profiles in (self, *later):
+            for profile in profiles.compute:
+                key = (profile.device_type, profile.precision, json.dumps(profile.model, sort_keys=True))
+                passes.setdefault(key, []).append(profile)
+        return Profiles([median_profile(p) for p in passes.values()], self.link_profiles)
 
     def compute_profile(self, device_type: str, model: ModelSpec, precision: str) -> ComputeProfile | None:
         shape = model_shape(model)

@@ -138,7 +138,7 @@ def test_one_device_iteration_is_micro_batches_times_work_plus_step():
     costs = CostModel(cluster, model, TrainingSetup(distributed_optimizer=False))
     prediction = predict(plan, cluster, costs)
     f, b = costs.layer_times("A100-80GB", 1, 2)
-    lf, lb = costs.logits_times("A100-80GB", 1, 2)
+    lf, lb = costs.stage_extra_times("A100-80GB", 1, 2, first=True, last=True)
     work = 8 * (4 * (f + b) + lf + lb)
     assert prediction.iteration_time_s == pytest.approx(work + prediction.optimizer_s)
     assert prediction.reduce_s == [0.0]
@@ -162,3 +162,70 @@ def test_measured_profiles_replace_the_roofline(tmp_path):
     assert costs.layer_times("A100-80GB", 2, 1) == pytest.approx((0.005, 0.015))  # and by TP
     assert costs.route("a", "a").bandwidth == 7e9
     assert profiles.missing(["A100-80GB", "H100-80GB"], model, "bf16") == ["H100-80GB"]
+
+
+def test_profiles_of_several_passes_merge_to_their_median():
+    from hetero.errors import HeteroError
+    from hetero.profiles import ComputeProfile, LinkProfile, median_profile, model_shape
+
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
+
+    def one_pass(forward: float, optimizer: float | None, device: str = "A100-80GB") -> ComputeProfile:
+        return ComputeProfile.model_validate({
+            "kind": "compute", "device_type": device, "precision": "bf16", "model": model_shape(model),
+            "entries": [{"tensor_parallel": 1, "micro_batch_size": 1, "layer_forward_s": forward,
+                         "layer_backward_s": 2 * forward, "logits_forward_s": forward / 2},
+                        {"tensor_parallel": 2, "micro_batch_size": 1, "layer_forward_s": forward / 2,
+                         "layer_backward_s": forward}],
+            "optimizer_step_s_per_param": optimizer, "measured_on": f"pass {forward}"})
+
+    merged = median_profile([one_pass(0.010, 1e-9), one_pass(0.014, None), one_pass(0.011, 3e-9)])
+    by_tp = {e.tensor_parallel: e for e in merged.entries}
+    assert (by_tp[1].layer_forward_s, by_tp[1].layer_backward_s) == pytest.approx((0.011, 0.022))
+    assert by_tp[1].logits_forward_s == pytest.approx(0.0055)
+    assert by_tp[2].logits_forward_s is None and by_tp[2].layer_forward_s == pytest.approx(0.0055)
+    assert merged.optimizer_step_s_per_param == pytest.approx(2e-9)  # the passes that measured it
+    with pytest.raises(HeteroError, match="different device types"):
+        median_profile([one_pass(0.01, None), one_pass(0.01, None, device="H100-80GB")])
+
+    links = LinkProfile.model_validate({"kind": "links", "links": [
+        {"hosts": ["a", "a"], "bandwidth_gbs": 7.0, "latency_us": 4}]})
+    first = Profiles([one_pass(0.010, None), one_pass(0.02, None, device="H100-80GB")], [links])
+    later = Profiles([one_pass(0.012, None), one_pass(0.03, None, device="H100-80GB")])
+    both = first.with_compute_passes(later)
+    assert both.compute_profile("A100-80GB", model, "bf16").entries[0].layer_forward_s == pytest.approx(0.011)
+    assert both.compute_profile("H100-80GB", model, "bf16").entries[0].layer_forward_s == pytest.approx(0.025)
+    assert both.link("a", "a").bandwidth_gbs == 7.0
+
+
+def test_the_first_stage_runs_the_embedding_and_the_last_the_rest_of_the_profiled_logits():
+    from hetero.profiles import ComputeProfile, model_shape
+
+    cluster = _cluster([_node("a")])
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
+    entry = {"tensor_parallel": 1, "micro_batch_size": 1, "layer_forward_s": 0.01, "layer_backward_s": 0.02,
+             "logits_forward_s": 0.008, "logits_backward_s": 0.012}
+    split = {**entry, "batch_s": 0.001, "embedding_forward_s": 0.002, "embedding_backward_s": 0.003}
+
+    def costs_of(entry: dict) -> CostModel:
+        profile = ComputeProfile.model_validate({"kind": "compute", "device_type": "A100-80GB", "precision": "bf16",
+                                                 "model": model_shape(model), "entries": [entry]})
+        return CostModel(cluster, model, TrainingSetup(), Profiles([profile]))
+
+    costs = costs_of(split)
+    assert costs.stage_extra_times("A100-80GB", 1, 1, first=True, last=False) == pytest.approx((0.003, 0.003))
+    assert costs.stage_extra_times("A100-80GB", 1, 1, first=False, last=True) == pytest.approx((0.006, 0.009))
+    assert costs.stage_extra_times("A100-80GB", 1, 1, first=True, last=True) == pytest.approx((0.008, 0.012))
+    assert costs.stage_extra_times("A100-80GB", 1, 1, first=False, last=False) == (0.0, 0.0)
+    assert costs.stage_extra_times("A100-80GB", 1, 2, first=True, last=False) == pytest.approx((0.006, 0.006))
+    # A profile without the share (earlier releases) keeps it all on the last stage.
+    unsplit = costs_of(entry)
+    assert unsplit.stage_extra_times("A100-80GB", 1, 1, first=True, last=False) == (0.0, 0.0)
+    assert unsplit.stage_extra_times("A100-80GB", 1, 1, first=False, last=True) == pytest.approx((0.008, 0.012))
+    # Without a profile: the embedding's memory traffic on the first stage, the output layer on the last.
+    analytic = CostModel(cluster, model, TrainingSetup())
+    first = analytic.stage_extra_times("A100-80GB", 1, 1, first=True, last=False)
+    last = analytic.stage_extra_times("A100-80GB", 1, 1, first=False, last=True)
+    assert 0 < first[0] < last[0] and 0 < first[1] < last[1]
+    assert analytic.stage_extra_times("A100-80GB", 1, 1, first=True, last=True) == pytest.approx(
+        (first[0] + last[0], first[1] + last[1]))

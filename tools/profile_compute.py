@@ -4,18 +4,21 @@
         --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
 
 The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does, fed as
-training feeds it (its forward step: megatron-core's dataset, the batch, the loss). It is
-timed at 1, 2, 3 and 4 decoder layers, then again from 4 down to 1, and a line fitted through
-the eight medians: its slope is a layer, its intercept the embedding, output layer, batch and
-loss (the profile's "logits"). On a shared machine (or an emulated device under a CPU quota) one
-round varies by 10-30%, and a difference of two depths' medians swung a layer's time by 30%;
-eight points average that out, and the way down cancels a drift of the machine's speed. Activation
-memory per layer is what autograd keeps for backward (saved-tensor hooks), on any device.
+training feeds it (its forward step: megatron-core's dataset, the batch, the loss), at 1, 2, 3
+and 4 decoder layers, all four built at once and run in turns: every round times each depth
+once, up one round and down the next. A line through the four medians: its slope is a layer,
+its intercept the embedding, output layer, batch and loss (the profile's "logits"); hooks on
+the embedding time the first pipeline stage's share of it (the batch, the embedding). On a
+shared machine (or an emulated device under a CPU quota) one round varies by 10-30%, and the
+machine's speed drifts by ~10% over minutes: timed depth after depth, a drift tilted the line
+(a depth measured 0-23% apart on the way up and down, intercepts doubled between profiles);
+timed in turns, it moves every depth alike. Activation memory per layer is what autograd keeps
+for backward (saved-tensor hooks), on any device. The four models (ten layers) must fit at once.
 
 Run by torchrun (or inside the emulator: `python -m tools.emulator --cluster C -- -m
 tools.profile_compute ...`) every rank profiles its own device concurrently - the
 contention of a real job - and rank 0 writes one profile per device type, the median over
-that type's ranks. Every rank starts a depth together and keeps running rounds until the
+that type's ranks. Every rank starts the rounds together and keeps running them until the
 slowest has its own: a fast rank idling while slow ones finish would hand them cores (or
 memory bandwidth) they do not get in training, where every rank is busy.
 --tensor-parallel T groups consecutive ranks (one host) T by T.
@@ -39,9 +42,9 @@ import torch.distributed as dist
 from hetero.errors import HeteroError
 from hetero.launch import split_at_double_dash
 from hetero.plan import write_json_atomic
-from hetero.profiles import ComputeProfile, model_shape
+from hetero.profiles import ComputeProfile, median_entry, model_shape
 
-PROBE_LAYERS = (1, 2, 3, 4, 4, 3, 2, 1)
+PROBE_DEPTHS = (1, 2, 3, 4)
 # Flags the profile does not depend on but pretrain_gpt.py's parser insists on.
 PLACEHOLDER_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
                      "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
@@ -68,35 +71,45 @@ def _micro_batches(dataset, micro_batch_size: int) -> Iterator[dict]:
         yield from loader
 
 
-def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
-                everyone: dist.ProcessGroup, dataset) -> tuple[float, float, float]:
-    """(forward s, backward s, bytes saved for backward) of one micro-batch as training runs
-    it (reading the batch, the model, the loss), medians of at least `repeats` rounds; rounds
-    go on until every rank of `everyone` has its `repeats`."""
-    from megatron.core import parallel_state
-    from hetero.plan import Plan
-    from megatron.hetero.model import build_model, transformer_config
-    from megatron.hetero.training import forward_step
+class _Probe:
+    """One model depth under test: megatron-core's GPTModel built (and DDP-wrapped: backward
+    also accumulates every gradient into the reduction buffer, a per-micro-batch cost) as
+    training builds it, fed and timed as training runs a micro-batch (reading the batch, the
+    model, the loss). Hooks on the embedding time the first pipeline stage's share of what
+    is not a decoder layer: reading the batch, the embedding's forward and backward."""
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=1,
-                        data_parallel=dist.get_world_size() // tp, micro_batch_size=micro_batch_size,
-                        num_layers=num_layers, global_batch_size=micro_batch_size * dist.get_world_size() // tp)
-    layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
-    # Wrapped for data parallelism as in training: backward also accumulates every
-    # gradient into the reduction buffer, a per-micro-batch cost.
-    model = build_model(layered, plan, transformer_config(layered, plan))[0]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    batches = _micro_batches(dataset, micro_batch_size)
+    def __init__(self, args, num_layers: int, micro_batch_size: int, batches: Iterator[dict]):
+        from megatron.core import parallel_state
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        from hetero.plan import Plan
+        from megatron.hetero.model import build_model, transformer_config
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=1,
+                            data_parallel=dist.get_world_size() // tp, micro_batch_size=micro_batch_size,
+                            num_layers=num_layers, global_batch_size=micro_batch_size * dist.get_world_size() // tp)
+        layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
+        self.model = build_model(layered, plan, transformer_config(layered, plan))[0]
+        self.batches = batches
+        self.marks: dict[str, float] = {}
+        self.samples: dict[str, list[float]] = {k: [] for k in (
+            "forward", "backward", "saved", "batch", "embedding_forward", "embedding_backward")}
+        embedding = next(m for m in self.model.modules() if isinstance(m, LanguageModelEmbedding))
+        embedding.register_forward_pre_hook(lambda module, inputs: self._mark("embedding_start"))
+        embedding.register_forward_hook(self._embedding_done)
 
-    forwards, backwards, saved = [], [], []
-    all_done = None  # every rank's `repeats` rounds timed
-    dist.barrier(group=everyone)
-    for repeat in itertools.count():  # two warm-up rounds first
+    def _mark(self, name: str) -> None:
+        _sync()
+        self.marks[name] = time.perf_counter()
+
+    def _embedding_done(self, module, inputs, output: torch.Tensor) -> None:
+        self._mark("embedding_end")
+        if output.requires_grad:  # its gradient arriving starts the embedding's backward
+            output.register_hook(lambda grad: self._mark("embedding_grad"))
+
+    def step(self, timed: bool) -> None:
+        from megatron.hetero.training import forward_step
+
         seen: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,22 +117,48 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
             seen[storage.data_ptr()] = storage.nbytes()
             return tensor
 
-        sync()
-        start = time.perf_counter()
+        self._mark("start")
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output, loss_of = forward_step(batches, model)
+            output, loss_of = forward_step(self.batches, self.model)
             loss = loss_of(output)[0]
-        sync()
-        middle = time.perf_counter()
+        self._mark("middle")
         loss.backward()
-        sync()
-        end = time.perf_counter()
-        model.zero_grad_buffer()
-        if repeat >= 2:
-            forwards.append(middle - start)
-            backwards.append(end - middle)
-            saved.append(sum(seen.values()))
-        if len(forwards) == repeats:
+        self._mark("end")
+        self.model.zero_grad_buffer()
+        if timed:
+            m = self.marks
+            for key, value in (("forward", m["middle"] - m["start"]), ("backward", m["end"] - m["middle"]),
+                               ("saved", sum(seen.values())), ("batch", m["embedding_start"] - m["start"]),
+                               ("embedding_forward", m["embedding_end"] - m["embedding_start"]),
+                               ("embedding_backward", m["end"] - m["embedding_grad"])):
+                self.samples[key].append(value)
+
+    def medians(self) -> dict[str, float]:
+        return {key: statistics.median(values) for key, values in self.samples.items()}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_depths(args, micro_batch_size: int, repeats: int, everyone: dist.ProcessGroup,
+                 dataset) -> list[dict[str, float]]:
+    """Medians of every PROBE_DEPTHS model's samples (_Probe), at least `repeats` each. Every
+    round runs each depth once, up one round and down the next, so a drift of the machine's
+    speed moves all depths alike instead of tilting the line. Rounds go on until every rank
+    of `everyone` has its `repeats` (two warm-up rounds first)."""
+    from megatron.core import parallel_state
+
+    batches = _micro_batches(dataset, micro_batch_size)
+    probes = [_Probe(args, n, micro_batch_size, batches) for n in PROBE_DEPTHS]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    all_done = None  # every rank's `repeats` rounds timed
+    dist.barrier(group=everyone)
+    for repeat in itertools.count():
+        for probe in probes if repeat % 2 == 0 else reversed(probes):
+            probe.step(timed=repeat >= 2)
+        if repeat == repeats + 1:
             all_done = dist.barrier(group=everyone, async_op=True)
         if all_done is not None:
             # Tensor-parallel partners run every round together, so they stop together.
@@ -128,7 +167,7 @@ def _time_model(args, num_layers: int, micro_batch_size: int, repeats: int,
             if stop.item():
                 break
     all_done.wait()
-    return statistics.median(forwards), statistics.median(backwards), statistics.median(saved)
+    return [probe.medians() for probe in probes]
 
 
 def optimizer_step_per_param(args, repeats: int) -> float:
@@ -157,10 +196,9 @@ def profile_entry(args, micro_batch_size: int, repeats: int, everyone: dist.Proc
     """One profile entry (this rank's tensor-parallel degree): a line through the depths."""
     from megatron.core import parallel_state
 
-    forward, backward, saved = zip(*(_time_model(args, n, micro_batch_size, repeats, everyone, dataset)
-                                     for n in PROBE_LAYERS))
+    depths = _time_depths(args, micro_batch_size, repeats, everyone, dataset)
     (layer_f, fixed_f), (layer_b, fixed_b), (layer_s, _) = (
-        numpy.polyfit(PROBE_LAYERS, values, 1) for values in (forward, backward, saved))
+        numpy.polyfit(PROBE_DEPTHS, [d[key] for d in depths], 1) for key in ("forward", "backward", "saved"))
     floor = 1e-7  # noise can make a slope tiny; the schema wants > 0
     return {
         "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
@@ -170,15 +208,10 @@ def profile_entry(args, micro_batch_size: int, repeats: int, everyone: dist.Proc
         "layer_activation_bytes": max(0.0, layer_s),
         "logits_forward_s": max(0.0, fixed_f),
         "logits_backward_s": max(0.0, fixed_b),
+        # Not per layer: the median over the depths.
+        **{f"{key}_s": statistics.median(d[key] for d in depths)
+           for key in ("batch", "embedding_forward", "embedding_backward")},
     }
-
-
-def _median_entries(entries: list[dict]) -> dict:
-    merged = dict(entries[0])
-    for key, value in merged.items():
-        if key.endswith("_s") or key.endswith("_bytes"):
-            merged[key] = statistics.median(e[key] for e in entries)
-    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="name in the cluster spec (default: HETERO_DEVICE, else what torch sees)")
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tensor-parallel", type=int, nargs="+", default=[1])
-    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=16, help="timed rounds of every depth (median)")
     options = parser.parse_args(argv)
 
     from megatron.core import parallel_state
@@ -238,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             if entry is not None:
                 results.setdefault(name, {}).setdefault((tp, mbs), []).append(entry)
         if rank == 0:
-            merged = _median_entries(results[device_type][(tp, mbs)])
+            merged = median_entry(results[device_type][(tp, mbs)])
             print(f"[profile {number}/{len(cases)}] tp {tp} mbs {mbs} on {device_type}: layer forward "
                   f"{merged['layer_forward_s'] * 1e3:.2f} ms, backward {merged['layer_backward_s'] * 1e3:.2f} ms, "
                   f"activations {merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
@@ -248,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = model_shape(model_spec(args))
         for name, by_case in sorted(results.items()):
             profile = {"kind": "compute", "device_type": name, "precision": precision, "model": shape,
-                       "entries": [_median_entries(entries) for entries in by_case.values()],
+                       "entries": [median_entry(entries) for entries in by_case.values()],
                        "optimizer_step_s_per_param": statistics.median(t for d, t in per_param if d == name),
                        "measured_on": f"{world} concurrent rank(s), {time.strftime('%Y-%m-%d %H:%M')}"}
             ComputeProfile.model_validate(profile)
