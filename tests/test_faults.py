@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,31 @@ def _seconds_until_gone(pids: list[int], bound: float) -> float:
     return time.monotonic() - start
 
 
+def _assert_nothing_left(tmp_path, bound: float = 10) -> None:
+    """No process of the job survives it: ranks, launchers, and the helpers ranks fork (the
+    checkpoint writers, the results-queue server), which carry the job's command line."""
+    marker = str(tmp_path / "ckpt").encode()
+    deadline = time.monotonic() + bound
+    while True:
+        left = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
+                    left.append(int(entry.name))
+            except OSError:
+                continue
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            for pid in left:  # do not leave them to the rest of the suite
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError(f"processes of the job still running {bound:.0f} s after it ended: {left}")
+        time.sleep(0.2)
+
+
 def _assert_resumes_the_same_training(tmp_path, uninterrupted: dict[int, float]) -> int:
     root = tmp_path / "ckpt"
     latest = int((root / "latest_checkpointed_iteration.txt").read_text())
@@ -82,6 +108,7 @@ def test_killed_launcher_stops_its_workers(tmp_path, uninterrupted):
     stopped_after = _seconds_until_gone(workers, bound=15)
     job.finish(timeout=30)
     assert "its launcher (torchrun agent, pid" in job.output, job.output[-3000:]
+    _assert_nothing_left(tmp_path)
     print(f"workers gone {stopped_after:.1f} s after the launcher was killed")
     _assert_resumes_the_same_training(tmp_path, uninterrupted)
 
@@ -92,6 +119,7 @@ def test_sigterm_to_one_worker_stops_every_rank_and_names_it(tmp_path, uninterru
     stopped_after = _seconds_until_gone(workers, bound=15)
     code = job.finish(timeout=30)
     assert code != 0
+    _assert_nothing_left(tmp_path)
     cause = f"launch rank 1 ({os.uname().nodename}, pid {workers[1]}) received SIGTERM"
     assert sum(cause in line for line in job.lines) == 4, job.output[-3000:]  # every rank says why
     print(f"job stopped {stopped_after:.1f} s after SIGTERM")
@@ -103,6 +131,7 @@ def test_sigterm_with_exit_signal_handler_saves_the_iteration_and_exits_0(tmp_pa
     os.kill(workers[3], signal.SIGTERM)
     stopped_after = _seconds_until_gone(workers, bound=60)
     assert job.finish(timeout=30) == 0, job.output[-3000:]
+    _assert_nothing_left(tmp_path)
     exited = re.search(r"exiting program after receiving SIGTERM", job.output)
     assert exited, job.output[-3000:]
     last_logged = max(_losses(job.output))
@@ -123,6 +152,7 @@ def test_frozen_worker_stops_the_job_within_the_heartbeat_bound(tmp_path, uninte
             except ProcessLookupError:
                 pass
     assert job.finish(timeout=30) != 0
+    _assert_nothing_left(tmp_path)
     reports = [line for line in job.lines if f"pid {workers[2]}): no heartbeat for" in line]
     assert reports, job.output[-3000:]
     assert "(frozen; killed)" in job.output

@@ -147,13 +147,9 @@ def _server_dies_with_rank(rank_pid: int) -> None:
     A Manager's server outlives a killed parent: the ranks of a lost node or a stopped
     attempt would each leave one behind, holding the rank's inherited signal handlers and
     ignoring SIGTERM."""
-    import ctypes
     import signal
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != rank_pid:  # the rank died before the line above
-        os._exit(0)
+    _die_with_parent(rank_pid)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -173,6 +169,44 @@ def _apply_checkpoint_queue_dies_with_rank() -> object:
 
     filesystem_async._get_write_results_queue = write_results_queue
     return write_results_queue
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """PR_SET_PDEATHSIG: this forked helper gets SIGKILL when the thread that forked it ends
+    (a rank's main thread: the rank); if the rank is already gone, it goes now."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+_writer_parent_pid: int | None = None  # set in the rank just before it forks its writers
+
+
+def _apply_checkpoint_writers_die_with_rank() -> object:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    fork_writers = FileSystemWriterAsync.write_preloaded_data_multiproc
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    @functools.wraps(fork_writers)
+    def write_preloaded_data_multiproc(*args, **kwargs):
+        global _writer_parent_pid
+        _writer_parent_pid = os.getpid()  # the forked writers inherit it
+        return fork_writers(*args, **kwargs)
+
+    @functools.wraps(write)  # megatron-core reads its signature
+    def write_preloaded_data(*args, **kwargs):
+        if _writer_parent_pid is not None:
+            _die_with_parent(_writer_parent_pid)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_preloaded_data_multiproc)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
+    return write_preloaded_data
 
 
 def _moe_router_without_te() -> bool:
@@ -388,6 +422,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_checkpoint_queue_dies_with_rank,
+    ),
+    Patch(
+        name="checkpoint-writers-die-with-rank",
+        why=(
+            "megatron-core forks one writer process per checkpoint write bucket; a rank stopped "
+            "mid-save (a lost peer, SIGTERM) left its writers blocked forever on the results "
+            "queue's lock, holding the rank's memory (seen after the fault tests). Each writer "
+            "now gets SIGKILL when its rank ends (PR_SET_PDEATHSIG), or exits if it already has"
+        ),
+        needed=lambda: True,
+        apply=_apply_checkpoint_writers_die_with_rank,
     ),
     Patch(
         name="moe-router-without-te",
