@@ -132,10 +132,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.parametrize("keep, pages", [("", (6 * 1024, 10**6)), ("1", (0, 100))])
+@pytest.mark.parametrize("keep, pages", [("", (6 * 1024, 10**6)), ("1", (0, 1536))])
 def test_kept_memory_is_not_faulted_in_again(keep, pages):
-    """Kept, the third step's tensors reuse the first steps' pages (glibc's defaults still
-    trimmed and unmapped some: ~6,000 page faults a step, as many as returning them)."""
+    """Kept, the third step's tensors reuse the first steps' pages: at most one of its six
+    4 MB blocks is new (0 or 1,024 faults, by the heap's state after imports), where glibc's
+    defaults trimmed and unmapped ~6,000 pages a step, as many as returning them."""
     done = subprocess.run([sys.executable, "-c", REFAULTS_OF_A_STEP], capture_output=True, text=True,
                           env={**os.environ, KEEP_FREED_MEMORY_ENV: keep}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
