@@ -17,11 +17,10 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import GPT_MODEL, REPO, TRAINING, LiveJob, make_plan, run_pretrain
+from conftest import GPT_MODEL, REPO, TRAINING, LiveJob, make_plan, processes_mentioning, run_pretrain
 from hetero.cluster import Cluster
 from hetero.plan import Plan
 from megatron.hetero.watchdog import PEER_TIMEOUT_S, _process_exists
@@ -68,22 +67,12 @@ def _seconds_until_gone(pids: list[int], bound: float) -> float:
 def _assert_nothing_left(tmp_path, bound: float = 10) -> None:
     """No process of the job survives it: ranks, launchers, and the helpers ranks fork (the
     checkpoint writers, the results-queue server), which carry the job's command line."""
-    marker = str(tmp_path / "ckpt").encode()
     deadline = time.monotonic() + bound
-    while True:
-        left = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
-                    left.append(int(entry.name))
-            except OSError:
-                continue
-        if not left:
-            return
+    while left := processes_mentioning(str(tmp_path / "ckpt")):
         if time.monotonic() > deadline:
-            for pid in left:  # do not leave them to the rest of the suite
+            for line in left:  # do not leave them to the rest of the suite
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             raise AssertionError(f"processes of the job still running {bound:.0f} s after it ended: {left}")
