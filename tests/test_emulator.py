@@ -17,7 +17,7 @@ import pytest
 from hetero.cluster import Cluster
 from tools.emulator import EmulatedCluster, RankLayout
 from tools.emulator.cluster import balanced_cpus
-from tools.emulator.cpu_quota import CPU_CGROUP, CpuQuotas
+from tools.emulator.cpu_quota import CPU_CGROUP, CpuQuotas, period_us
 from tools.emulator.network import EmulatedNetwork, NodeLink
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,6 +115,13 @@ def test_a_job_runs_across_namespaces_and_everything_is_removed():
     assert lines == [f"rank 0 node-fast cpu-fast,cpu-fast 16.0 {cores[0]}", f"rank 1 node-fast cpu-fast,cpu-fast 16.0 {cores[1]}",
                      f"rank 2 node-slow cpu-slow,cpu-slow 16.0 {cores[2]}", f"rank 3 node-slow cpu-slow,cpu-slow 16.0 {cores[3]}"]
     assert not _leftovers(emulated.run_id)
+
+
+def test_the_quota_period_is_as_short_as_the_smallest_quota_allows():
+    assert period_us([0.5, 0.5, 0.25, 0.25]) == 5_000  # quotas of 2.5 and 1.25 ms
+    assert period_us([0.43, 0.43, 0.43, 0.21]) == 5_000  # 1.05 ms, the floor is 1 ms
+    assert period_us([0.8, 0.15]) == 6_667  # 1 ms for the slowest
+    assert period_us([0.05]) == 10_000  # the slowest is held at the floor: 10% instead of 5%
 
 
 def test_ranks_are_pinned_so_that_every_core_carries_a_like_share():
