@@ -22,9 +22,10 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 @pytest.mark.slow
-def test_compute_profile_feeds_the_predictor(tmp_path):
+@pytest.mark.parametrize("order", [[], ["--one-size-at-a-time"]], ids=["sizes-in-turns", "one-size-at-a-time"])
+def test_compute_profile_feeds_the_predictor(tmp_path, order):
     done = subprocess.run([sys.executable, "-m", "tools.profile_compute", "-o", str(tmp_path), "--device-type",
-                           "cpu-fast", "--micro-batch-sizes", "1", "4", "--repeats", "3", "--", *TINY],
+                           "cpu-fast", "--micro-batch-sizes", "1", "4", "--repeats", "3", *order, "--", *TINY],
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -5,15 +5,18 @@
 
 The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does, fed as
 training feeds it (its forward step: megatron-core's dataset, the batch, the loss), at 1, 2, 3
-and 4 decoder layers, all four built at once and run in turns: every round times each depth
-once, up one round and down the next. A line through the four medians: its slope is a layer,
-its intercept the embedding, output layer, batch and loss (the profile's "logits"); hooks on
-the embedding time the first pipeline stage's share of it (the batch, the embedding). On a
-shared machine (or an emulated device under a CPU quota) one round varies by 10-30%, and the
-machine's speed drifts by ~10% over minutes: timed depth after depth, a drift tilted the line
-(a depth measured 0-23% apart on the way up and down, intercepts doubled between profiles);
-timed in turns, it moves every depth alike. Activation memory per layer is what autograd keeps
-for backward (saved-tensor hooks), on any device. The four models (ten layers) must fit at once.
+and 4 decoder layers and every micro-batch size, all built at once and run in turns: every
+round times each (size, depth) once, up one round and down the next. A line through a size's
+four medians: its slope is a layer, its intercept the embedding, output layer, batch and loss
+(the profile's "logits"); hooks on the embedding time the first pipeline stage's share of it
+(the batch, the embedding). On a shared machine (or an emulated device under a CPU quota) one
+round varies by 10-30%, and the machine's speed drifts by 10-30% over minutes: timed depth
+after depth, a drift tilted the line (a depth measured 0-23% apart on the way up and down,
+intercepts doubled between profiles); timed size after size, it set the sizes' ratio, which
+the planner picks its micro-batch size by. In turns, it moves every depth and size alike.
+Activation memory per layer is what autograd keeps for backward (saved-tensor hooks), on any
+device. The four models (ten layers) of every size must fit at once, or of one size with
+--one-size-at-a-time.
 
 Run by torchrun (or inside the emulator: `python -m tools.emulator --cluster C -- -m
 tools.profile_compute ...`) every rank profiles its own device concurrently - the
@@ -142,21 +145,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time_depths(args, micro_batch_size: int, repeats: int, everyone: dist.ProcessGroup,
-                 dataset) -> list[dict[str, float]]:
-    """Medians of every PROBE_DEPTHS model's samples (_Probe), at least `repeats` each. Every
-    round runs each depth once, up one round and down the next, so a drift of the machine's
-    speed moves all depths alike instead of tilting the line. Rounds go on until every rank
-    of `everyone` has its `repeats` (two warm-up rounds first)."""
+def _time_depths(args, micro_batch_sizes: list[int], repeats: int, everyone: dist.ProcessGroup,
+                 dataset) -> dict[int, list[dict[str, float]]]:
+    """Medians of every PROBE_DEPTHS model's samples (_Probe) at each micro-batch size, at
+    least `repeats` each. Every round runs each (size, depth) once, up one round and down the
+    next, so a drift of the machine's speed moves all sizes and depths alike: timed size after
+    size, a slower minute during one made it look dear against the others (a micro-batch of 2
+    came out 2.25x one of 1 in one profile, 1.3-1.8x in short profiles around the runs), and
+    the planner picks its micro-batch size by that ratio. Rounds go on until every rank of
+    `everyone` has its `repeats` (two warm-up rounds first)."""
     from megatron.core import parallel_state
 
-    batches = _micro_batches(dataset, micro_batch_size)
-    probes = [_Probe(args, n, micro_batch_size, batches) for n in PROBE_DEPTHS]
+    probes = {mbs: [_Probe(args, n, mbs, _micro_batches(dataset, mbs)) for n in PROBE_DEPTHS]
+              for mbs in micro_batch_sizes}
+    in_turns = [probe for mbs in micro_batch_sizes for probe in probes[mbs]]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     all_done = None  # every rank's `repeats` rounds timed
     dist.barrier(group=everyone)
     for repeat in itertools.count():
-        for probe in probes if repeat % 2 == 0 else reversed(probes):
+        for probe in in_turns if repeat % 2 == 0 else reversed(in_turns):
             probe.step(timed=repeat >= 2)
         if repeat == repeats + 1:
             all_done = dist.barrier(group=everyone, async_op=True)
@@ -167,7 +174,7 @@ def _time_depths(args, micro_batch_size: int, repeats: int, everyone: dist.Proce
             if stop.item():
                 break
     all_done.wait()
-    return [probe.medians() for probe in probes]
+    return {mbs: [probe.medians() for probe in depths] for mbs, depths in probes.items()}
 
 
 def optimizer_step_per_param(args, repeats: int) -> float:
@@ -192,26 +199,30 @@ def optimizer_step_per_param(args, repeats: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-def profile_entry(args, micro_batch_size: int, repeats: int, everyone: dist.ProcessGroup, dataset) -> dict:
-    """One profile entry (this rank's tensor-parallel degree): a line through the depths."""
+def profile_entries(args, micro_batch_sizes: list[int], repeats: int, everyone: dist.ProcessGroup,
+                    dataset) -> list[dict]:
+    """This rank's profile entries at its tensor-parallel degree, one per micro-batch size:
+    a line through the depths."""
     from megatron.core import parallel_state
 
-    depths = _time_depths(args, micro_batch_size, repeats, everyone, dataset)
-    (layer_f, fixed_f), (layer_b, fixed_b), (layer_s, _) = (
-        numpy.polyfit(PROBE_DEPTHS, [d[key] for d in depths], 1) for key in ("forward", "backward", "saved"))
-    floor = 1e-7  # noise can make a slope tiny; the schema wants > 0
-    return {
-        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-        "micro_batch_size": micro_batch_size,
-        "layer_forward_s": max(floor, layer_f),
-        "layer_backward_s": max(floor, layer_b),
-        "layer_activation_bytes": max(0.0, layer_s),
-        "logits_forward_s": max(0.0, fixed_f),
-        "logits_backward_s": max(0.0, fixed_b),
-        # Not per layer: the median over the depths.
-        **{f"{key}_s": statistics.median(d[key] for d in depths)
-           for key in ("batch", "embedding_forward", "embedding_backward")},
-    }
+    entries = []
+    for mbs, depths in _time_depths(args, micro_batch_sizes, repeats, everyone, dataset).items():
+        (layer_f, fixed_f), (layer_b, fixed_b), (layer_s, _) = (
+            numpy.polyfit(PROBE_DEPTHS, [d[key] for d in depths], 1) for key in ("forward", "backward", "saved"))
+        floor = 1e-7  # noise can make a slope tiny; the schema wants > 0
+        entries.append({
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "micro_batch_size": mbs,
+            "layer_forward_s": max(floor, layer_f),
+            "layer_backward_s": max(floor, layer_b),
+            "layer_activation_bytes": max(0.0, layer_s),
+            "logits_forward_s": max(0.0, fixed_f),
+            "logits_backward_s": max(0.0, fixed_b),
+            # Not per layer: the median over the depths.
+            **{f"{key}_s": statistics.median(d[key] for d in depths)
+               for key in ("batch", "embedding_forward", "embedding_backward")},
+        })
+    return entries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tensor-parallel", type=int, nargs="+", default=[1])
     parser.add_argument("--repeats", type=int, default=16, help="timed rounds of every depth (median)")
+    parser.add_argument("--one-size-at-a-time", action="store_true",
+                        help="profile micro-batch sizes one after the other instead of in turns: one size's "
+                             "four models in memory at a time, but a drift of the machine's speed between "
+                             "sizes goes into their ratio")
     options = parser.parse_args(argv)
 
     from megatron.core import parallel_state
@@ -256,25 +271,33 @@ def main(argv: list[str] | None = None) -> int:
     # Gloo on any device: its barrier is polled between rounds without a device sync.
     everyone = dist.new_group(backend="gloo")
     dataset = data.build_datasets(args, data.build_tokenizer(args), 64 * max(options.micro_batch_sizes))[0]
-    cases = [(tp, mbs) for tp in options.tensor_parallel for mbs in options.micro_batch_sizes]
+    # Sizes in turns within a degree (one set of process groups at a time), degrees one after
+    # the other; --one-size-at-a-time builds one size's four models at a time (less memory).
+    size_groups = ([[mbs] for mbs in options.micro_batch_sizes] if options.one_size_at_a_time
+                   else [options.micro_batch_sizes])
     results: dict[str, dict[tuple[int, int], list[dict]]] = {}  # device type -> case -> ranks' entries
-    for number, (tp, mbs) in enumerate(cases, 1):
+    number, cases = 0, len(options.tensor_parallel) * len(options.micro_batch_sizes)
+    for tp in options.tensor_parallel:
         if world % tp:
             raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
-        entry = profile_entry(args, mbs, options.repeats, everyone, dataset)
-        parallel_state.destroy_model_parallel()
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))
-        for name, entry in gathered:
-            if entry is not None:
-                results.setdefault(name, {}).setdefault((tp, mbs), []).append(entry)
-        if rank == 0:
-            merged = median_entry(results[device_type][(tp, mbs)])
-            print(f"[profile {number}/{len(cases)}] tp {tp} mbs {mbs} on {device_type}: layer forward "
-                  f"{merged['layer_forward_s'] * 1e3:.2f} ms, backward {merged['layer_backward_s'] * 1e3:.2f} ms, "
-                  f"activations {merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
+        for sizes in size_groups:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
+            entries = profile_entries(args, sizes, options.repeats, everyone, dataset)
+            parallel_state.destroy_model_parallel()
+            for entry in entries:
+                number += 1
+                gathered: list = [None] * world
+                dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))
+                for name, theirs in gathered:
+                    if theirs is not None:
+                        results.setdefault(name, {}).setdefault((tp, entry["micro_batch_size"]), []).append(theirs)
+                if rank == 0:
+                    merged = median_entry(results[device_type][(tp, entry["micro_batch_size"])])
+                    print(f"[profile {number}/{cases}] tp {tp} mbs {entry['micro_batch_size']} on {device_type}: "
+                          f"layer forward {merged['layer_forward_s'] * 1e3:.2f} ms, backward "
+                          f"{merged['layer_backward_s'] * 1e3:.2f} ms, activations "
+                          f"{merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
     per_param: list = [None] * world
     dist.all_gather_object(per_param, (device_type, optimizer_step_per_param(args, options.repeats)))
     if rank == 0:
