@@ -118,11 +118,22 @@ class JobServer:
             try:
                 exit_code = json.loads(replies.readline())["exit"]
             except (TimeoutError, socket.timeout):
+                os.killpg(leader, signal.SIGUSR1)  # every process prints its stacks (forkrun.py)
+                time.sleep(3)
                 os.killpg(leader, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(["forkrun", *argv], timeout) from None
+                read = self._read_outputs(request, outputs)
+                pytest.fail(f"the job ({nproc} processes) did not end in {timeout:.0f} s: "
+                            f"{' '.join(argv)}\n--- its stdout, last lines:\n{read['stdout'][-4000:]}"
+                            f"\n--- its stderr, last lines (stacks at the timeout):\n{read['stderr'][-12000:]}",
+                            pytrace=False)
+        read = self._read_outputs(request, outputs)
+        return RunResult(exit_code, read["stdout"], read["stderr"])
+
+    @staticmethod
+    def _read_outputs(request: dict, outputs: str) -> dict[str, str]:
         read = {name: Path(request[name]).read_text(errors="replace") for name in ("stdout", "stderr")}
         shutil.rmtree(outputs, ignore_errors=True)
-        return RunResult(exit_code, read["stdout"], read["stderr"])
+        return read
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -13,13 +13,16 @@ megatron-core costs ~4 s of CPU per process, more than most test jobs train, so:
 Tests of launching, signals and launcher faults use torchrun itself. As torchrun: RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT per rank; when a rank fails the others get
 SIGTERM after a grace period; the exit code is the first failure's. Ranks die with their
-leader (PR_SET_PDEATHSIG); a leader is a process group of its own, to kill whole.
+leader (PR_SET_PDEATHSIG); a leader is a process group of its own, to kill whole. SIGUSR1
+to that group makes every process print its Python stacks to the job's stderr (what a test
+that times out shows).
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import gc
 import json
 import os
@@ -106,6 +109,7 @@ def run_job(nproc: int, argv: list[str]) -> int:
 def _lead(request: dict) -> None:
     """A job leader, just forked from the server: takes the request's world, runs the job."""
     os.setpgid(0, 0)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
