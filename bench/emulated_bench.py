@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 from hetero.baseline import megatron_baseline  # noqa: E402
 from hetero.cluster import Cluster  # noqa: E402
 from hetero.costs import CostModel, TrainingSetup  # noqa: E402
-from hetero.plan import Plan  # noqa: E402
+from hetero.plan import Plan, write_json_atomic  # noqa: E402
 from hetero.planner import Planner, PlannerOptions, _distinct  # noqa: E402
 from hetero.predictor import Prediction, predict  # noqa: E402
 from hetero.profiles import Profiles  # noqa: E402
@@ -87,6 +87,13 @@ class Bench:
 
     def log(self, message: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def save(self) -> None:
+        """results.json and report.md as measured so far: a bench stopped after an hour keeps
+        what it measured."""
+        write_json_atomic(self.out / "results.json", self.results)
+        if self.results["predictor"]:
+            (self.out / "report.md").write_text(report(self.results))
 
     def emulator(self, cluster: Cluster, layout: RankLayout, like: EmulatedCluster | None = None) -> EmulatedCluster:
         """Same scale factors as `like`: device speeds stay those of the full cluster."""
@@ -187,6 +194,7 @@ class Bench:
                            "error": predicted_memory[s] / m - 1}
                           for s, m in sorted(measured["memory_per_stage"].items())]}
         self.results["predictor"].append(row)
+        self.save()
         self.log(f"  measured {iteration:.3f} s (median of {len(row['runs_s'])}, spread {row['spread']:.1%}), "
                  f"predicted {row['predicted_s']:.3f} s ({row['time_error']:+.1%}; from the cluster's profile "
                  f"{row['time_error_before']:+.1%}); memory " + ", ".join(
@@ -228,6 +236,7 @@ class Bench:
             plan = Planner(sub, self.spec, share, OPTIONS, profiles).plan().plan
             self.log(f"compute: upper bound, {device_type} alone on {share} of {global_batch} sequences: {describe(plan)}")
             alone[device_type] = self.measure(f"compute/alone-{device_type}", sub, plan, like)["tokens_per_s"]
+            self.log(f"  measured {alone[device_type]:.0f} tokens/s")
         bound = sum(alone.values())
         measured_timeline_png(best.plan, planned_prediction, load_traces(trace_dir), self.out / "timeline.png")
         self.results["quality"] = {
@@ -237,6 +246,7 @@ class Bench:
             "upper_bound_tokens_per_s": bound, "alone_tokens_per_s": alone,
             "fraction_of_upper_bound": planned["measured_tokens_per_s"] / bound,
             "planner_layout": planned["layout"], "baseline_layout": stock["layout"]}
+        self.save()
 
     def nic_cluster(self, global_batch: int) -> None:
         cluster = Cluster.load(CLUSTERS / "emu_nic.yaml")
@@ -273,7 +283,7 @@ class Bench:
                                "aware_rank_order": best.rank_order, "layout": aware["layout"],
                                "pp_aware": pp_aware, "pp_other": pp_other,
                                "pp_speedup": pp_aware["measured_tokens_per_s"] / pp_other["measured_tokens_per_s"]}
-
+        self.save()
 
     def shapes_cluster(self, global_batch: int) -> None:
         """Uneven pipelines with unequal replicas, TP=2, both, and the planner's pick."""
@@ -424,10 +434,8 @@ def main() -> int:
         bench.nic_cluster(options.small_global_batch_size)
     if options.only in (None, "shapes"):
         bench.shapes_cluster(options.small_global_batch_size)
-    (out / "results.json").write_text(json.dumps(bench.results, indent=1))
-    text = report(bench.results)
-    (out / "report.md").write_text(text)
-    print("\n" + text)
+    bench.save()
+    print("\n" + report(bench.results))
     print(f"(bench took {time.monotonic() - start:.0f} s; files in {out})")
     return 0
 

@@ -225,6 +225,32 @@ def profile_entries(args, micro_batch_sizes: list[int], repeats: int, everyone: 
     return entries
 
 
+def _profile_degree(args, tp: int, micro_batch_sizes: list[int], repeats: int,
+                    everyone: dist.ProcessGroup, dataset) -> list[dict]:
+    """This rank's entries of one tensor-parallel degree (its process groups live for this call)."""
+    from megatron.core import parallel_state
+    from megatron.hetero.training import set_random_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
+        return profile_entries(args, micro_batch_sizes, repeats, everyone, dataset)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _gather_case(results: dict, device_type: str, tp: int, entry: dict) -> dict:
+    """Adds every tensor-parallel group's entry of one case to results (by device type) and
+    returns the median entry of this rank's device type."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (device_type, entry if dist.get_rank() % tp == 0 else None))
+    case = (tp, entry["micro_batch_size"])
+    for name, theirs in gathered:
+        if theirs is not None:
+            results.setdefault(name, {}).setdefault(case, []).append(theirs)
+    return median_entry(results[device_type][case])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, gpt_flags = split_at_double_dash(argv)
     parser = argparse.ArgumentParser(prog="python -m tools.profile_compute", description=__doc__.split("\n\n")[0])
@@ -240,13 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                              "sizes goes into their ratio")
     options = parser.parse_args(argv)
 
-    from megatron.core import parallel_state
     from megatron.hetero import data
     from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
     from megatron.hetero.model import model_spec
     from megatron.hetero.patches import apply_patches
     from megatron.hetero.pretrain import quiet_expected_warnings
-    from megatron.hetero.training import set_random_seed
 
     try:
         args = parse_args(PLACEHOLDER_FLAGS + gpt_flags)
@@ -281,19 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         if world % tp:
             raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
         for sizes in size_groups:
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-            set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
-            entries = profile_entries(args, sizes, options.repeats, everyone, dataset)
-            parallel_state.destroy_model_parallel()
-            for entry in entries:
+            for entry in _profile_degree(args, tp, sizes, options.repeats, everyone, dataset):
+                merged = _gather_case(results, device_type, tp, entry)
                 number += 1
-                gathered: list = [None] * world
-                dist.all_gather_object(gathered, (device_type, entry if rank % tp == 0 else None))
-                for name, theirs in gathered:
-                    if theirs is not None:
-                        results.setdefault(name, {}).setdefault((tp, entry["micro_batch_size"]), []).append(theirs)
                 if rank == 0:
-                    merged = median_entry(results[device_type][(tp, entry["micro_batch_size"])])
                     print(f"[profile {number}/{cases}] tp {tp} mbs {entry['micro_batch_size']} on {device_type}: "
                           f"layer forward {merged['layer_forward_s'] * 1e3:.2f} ms, backward "
                           f"{merged['layer_backward_s'] * 1e3:.2f} ms, activations "
