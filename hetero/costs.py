@@ -197,6 +197,14 @@ class CostModel:
             return forward, 2 * forward
         return self._memo(("compute", device_name, tensor_parallel, micro_batch_size), compute)
 
+    def micro_batch_cv(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
+        """How much one micro-batch's compute varies on this device (standard deviation /
+        mean), as profiled; 0 where not measured (a device known from its data sheet alone)."""
+        profile = self._compute_profile(device_name)
+        if profile is None:
+            return 0.0
+        return Profiles.entry(profile, tensor_parallel, micro_batch_size)[0].micro_batch_cv or 0.0
+
     def layer_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int,
                     recompute: str | None = None) -> tuple[float, float]:
         """(forward, backward) compute of one layer, backward including recomputation (the

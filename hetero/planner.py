@@ -53,6 +53,7 @@ from hetero.placement import (
 from hetero.plan import Plan
 from hetero.predictor import Prediction, predict, stage_recompute
 from hetero.profiles import Profiles
+from hetero.stragglers import expected_slowest, replica_spread
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
 
@@ -295,6 +296,20 @@ class Planner:
         return self._memo(("extra", c, tp[c], max(tp), mbs, first, last), lambda: sum(
             self._job_costs(tp).stage_extra_times(self.classes[c].device_type, tp[c], mbs, first, last)))
 
+    def _micro_batch_cv(self, pattern: tuple[int, ...], tp: Degrees, mbs: int) -> float:
+        """How much a micro-batch of a replica on classes `pattern` varies: its most varying class's."""
+        return self._memo(("cv", pattern, tp, mbs), lambda: max(
+            self._job_costs(tp).micro_batch_cv(self.classes[c].device_type, tp[c], mbs) for c in pattern))
+
+    def _slowest_replica(self, replicas: Iterable[tuple[tuple[int, ...], float, float, int]], tp: Degrees,
+                         mbs: int) -> float:
+        """Expected end of the slowest of replicas given as (pattern, fill, step, micro-batches):
+        the predictor's stage ends (hetero/stragglers.py), one step's variation for a micro-batch's."""
+        alike = collections.Counter(
+            (fill + m * step, replica_spread(self._micro_batch_cv(pattern, tp, mbs) * step, m))
+            for pattern, fill, step, m in replicas)
+        return expected_slowest((end, spread, n) for (end, spread), n in alike.items())
+
     def _end_times(self, first: Iterable[int], last: Iterable[int], stages: int, tp: Degrees,
                    mbs: int) -> tuple[float, float]:
         """(first stage's, last stage's) work beyond layers, the slowest of the classes at
@@ -465,7 +480,8 @@ class Planner:
         micro = allocate_micro_batches(self.global_batch_size // mbs, pipe.counts, shape)
         if micro is None:
             return None
-        return layers, micro, max(shape[p][0] + max(micro[p]) * shape[p][1] for p in micro)
+        return layers, micro, self._slowest_replica(
+            ((p, *shape[p], m) for p in micro for m in micro[p]), tp, mbs)
 
     def _stage_group_terms(self, tp: Degrees, dp_parts: list[tuple[GroupPart, ...]]) -> list[tuple[float, float]]:
         """Each stage's all-reduce terms; groups crossing fabrics share the links."""
@@ -583,15 +599,16 @@ class Planner:
                                                 plan.replicas[d].num_micro_batches)
                    for d, pattern in enumerate(patterns) for s in range(pp))
         crossings = dp * max(tp)
-        pipeline = 0.0
+        replicas = []
         for d, pattern in enumerate(patterns):
             sends = [0.0] * pp
             for s in range(pp - 1):
                 a, b, same = pattern[s], pattern[s + 1], hosts[d][s] == hosts[d][s + 1]
                 sends[s] += self._send_time(a, b, tp, mbs, same, crossings)
                 sends[s + 1] += self._send_time(b, a, tp, mbs, same, crossings)
-            fill, step = self._replica_shape(pattern, layers, modes, tp, mbs, sends)
-            pipeline = max(pipeline, fill + plan.replicas[d].num_micro_batches * step)
+            replicas.append((pattern, *self._replica_shape(pattern, layers, modes, tp, mbs, sends),
+                             plan.replicas[d].num_micro_batches))
+        pipeline = self._slowest_replica(replicas, tp, mbs)
         groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
         spanning = sum(len({self.cluster.node(h).group for h in g}) > 1 for g in groups)
         terms = [costs.allreduce_terms(tuple(g), max(1, max(tp) * spanning)) for g in groups]

@@ -25,6 +25,7 @@ from hetero.errors import PlanError
 from hetero.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, stage_params
 from hetero.plan import Plan
 from hetero.schedule import Op, StageTiming, simulate_1f1b
+from hetero.stragglers import expected_slowest, replica_spread
 
 
 @dataclass(frozen=True)
@@ -140,15 +141,27 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
     return [[timing(slot) for slot in row] for row in grid]
 
 
-def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_stages: int
-                       ) -> tuple[list[float], dict[int, list[list[Op]]]]:
-    """(latest end of each stage over the replicas, each replica's ops). Replicas with the
-    same timings and micro-batch count simulate once. The interleaved schedule runs each
-    micro-batch as v chunks of 1/v of the stage, each sent on: simulated as v*m micro-
-    batches of 1/v of the compute with whole sends, which gives its bubble (p-1)/(v*m)."""
+def micro_batch_spreads(plan: Plan, costs: CostModel, grid: list[list[StageSlot]],
+                        timings: list[list[StageTiming]]) -> list[list[float]]:
+    """spreads[d][s]: the standard deviation of one micro-batch's forward and backward on
+    replica d's stage s, from its device's measured variation (hetero/stragglers.py)."""
+    tps, mbs = plan.stage_tensor_parallel, plan.micro_batch_size
+    return [[costs.micro_batch_cv(slot.device_type, tps[slot.stage], mbs)
+             * (timings[d][slot.stage].forward_s + timings[d][slot.stage].backward_s) for slot in row]
+            for d, row in enumerate(grid)]
+
+
+def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_stages: int,
+                       spreads: list[list[float]] | None = None) -> tuple[list[float], dict[int, list[list[Op]]]]:
+    """(expected latest end of each stage over the replicas, each replica's ops). Replicas
+    with the same timings and micro-batch count simulate once. The interleaved schedule runs
+    each micro-batch as v chunks of 1/v of the stage, each sent on: simulated as v*m micro-
+    batches of 1/v of the compute with whole sends, which gives its bubble (p-1)/(v*m).
+    spreads (micro_batch_spreads): the replicas meet at the gradient reduction, so a stage
+    ends when its slowest replica does, later than the slowest mean when they vary."""
     simulated: dict[tuple, list[list[Op]]] = {}
     timelines: dict[int, list[list[Op]]] = {}
-    stage_end = [0.0] * plan.pipeline_parallel
+    ends: list[dict[tuple[float, float], int]] = [{} for _ in range(plan.pipeline_parallel)]
     v = virtual_stages
     for d, row in enumerate(timings):
         m = plan.replicas[d].num_micro_batches
@@ -159,8 +172,9 @@ def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_sta
             simulated[key] = simulate_1f1b(chunks, m * v)
         timelines[d] = simulated[key]
         for s, ops in enumerate(simulated[key]):
-            stage_end[s] = max(stage_end[s], ops[-1].end)
-    return stage_end, timelines
+            spread = replica_spread(spreads[d][s], m) if spreads else 0.0
+            ends[s][(ops[-1].end, spread)] = ends[s].get((ops[-1].end, spread), 0) + 1
+    return [expected_slowest((end, spread, n) for (end, spread), n in alike.items()) for alike in ends], timelines
 
 
 def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]],
@@ -261,7 +275,8 @@ def model_tflops(plan: Plan, costs: CostModel, grid: list[list[StageSlot]], iter
 def predict(plan: Plan, cluster: Cluster, costs: CostModel) -> Prediction:
     grid = slots(plan, cluster)
     timings = stage_timings(plan, cluster, costs, grid)
-    stage_end, timelines = simulate_pipelines(plan, timings, costs.setup.virtual_stages)
+    spreads = micro_batch_spreads(plan, costs, grid, timings)
+    stage_end, timelines = simulate_pipelines(plan, timings, costs.setup.virtual_stages, spreads)
     reduce_s = gradient_reduction(plan, cluster, costs, grid, timings)
     optimizer_s = optimizer_time(plan, costs, grid)
     iteration = max(end + reduce for end, reduce in zip(stage_end, reduce_s)) + optimizer_s

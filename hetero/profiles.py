@@ -71,6 +71,10 @@ class ComputeEntry(_Strict):
     batch_s: float | None = Field(default=None, ge=0)
     embedding_forward_s: float | None = Field(default=None, ge=0)
     embedding_backward_s: float | None = Field(default=None, ge=0)
+    # How much one micro-batch's forward and backward varies from one to the next (standard
+    # deviation / mean, on a rank running beside the others): synchronous replicas wait for
+    # the slowest (hetero/stragglers.py).
+    micro_batch_cv: float | None = Field(default=None, ge=0)
 
 
 class ComputeProfile(_Strict):
@@ -89,7 +93,7 @@ def median_entry(entries: list[dict]) -> dict:
     profiling passes): the median of every timing and size."""
     merged = dict(entries[0])
     for key in merged:
-        if key.endswith("_s") or key.endswith("_bytes"):
+        if key.endswith(("_s", "_bytes", "_cv")):
             values = [e[key] for e in entries if e.get(key) is not None]
             merged[key] = statistics.median(values) if values else None
     return merged

@@ -19,6 +19,7 @@ from hetero.errors import HeteroError
 from hetero.model import ModelSpec, load_model
 from hetero.placement import place
 from hetero.plan import Plan
+from hetero.profiles import ComputeProfile, Profiles, model_shape
 from hetero.planner import PLAN_RECOMPUTE, Planner, PlannerOptions
 from hetero.predictor import predict
 from hetero.schedule import StageTiming
@@ -81,10 +82,32 @@ def _kendall(xs: list[float], ys: list[float]) -> float:
     return agree / len(pairs)
 
 
-def test_fast_estimate_agrees_with_the_predictor_on_random_plans():
+def _profiles_with_variation(cluster: Cluster, model: ModelSpec, precision: str, cv: float) -> Profiles:
+    """Compute profiles holding the catalog's own layer timings, and micro-batches that vary
+    by the fraction cv (what tools/profile_compute.py measures)."""
+    costs = CostModel(cluster, model, TrainingSetup(precision))
+    profiles = []
+    for device in cluster.devices:
+        entries = []
+        for tp, mbs in itertools.product((1, 2), (1, 2, 4)):
+            forward, backward = costs.layer_compute(device, tp, mbs)
+            entries.append({"tensor_parallel": tp, "micro_batch_size": mbs, "layer_forward_s": forward,
+                            "layer_backward_s": backward, "micro_batch_cv": cv})
+        profiles.append(ComputeProfile.model_validate({"kind": "compute", "device_type": device,
+                                                       "precision": precision, "model": model_shape(model),
+                                                       "entries": entries}))
+    return Profiles(profiles)
+
+
+@pytest.mark.parametrize("micro_batch_cv", [None, 0.2], ids=["catalog", "varying micro-batches"])
+def test_fast_estimate_agrees_with_the_predictor_on_random_plans(micro_batch_cv):
+    """Also with devices whose micro-batches vary: both then wait for the slowest replica."""
     cluster = _two_kind_cluster()
     model = ModelSpec(num_layers=16, hidden_size=3072, num_attention_heads=24, seq_length=2048, vocab_size=51200)
-    planner = Planner(cluster, model, 64, PlannerOptions(sequence_parallel=False))
+    options = PlannerOptions(sequence_parallel=False)
+    profiles = None if micro_batch_cv is None else _profiles_with_variation(
+        cluster, model, options.setup.precision, micro_batch_cv)
+    planner = Planner(cluster, model, 64, options, profiles)
     rng = random.Random(12)
     estimates, exact, fits_agree, fitting = [], [], 0, 0
     plans = [_random_plan(rng, planner, model.num_layers, 64) for _ in range(120)]

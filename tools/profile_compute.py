@@ -137,7 +137,11 @@ class _Probe:
                 self.samples[key].append(value)
 
     def medians(self) -> dict[str, float]:
-        return {key: statistics.median(values) for key, values in self.samples.items()}
+        """Every sample's median, and how much a whole micro-batch varied from round to round
+        (standard deviation / mean of forward + backward)."""
+        whole = [f + b for f, b in zip(self.samples["forward"], self.samples["backward"])]
+        spread = statistics.stdev(whole) / statistics.fmean(whole) if len(whole) > 1 else 0.0
+        return {**{key: statistics.median(values) for key, values in self.samples.items()}, "cv": spread}
 
 
 def _sync() -> None:
@@ -221,6 +225,8 @@ def profile_entries(args, micro_batch_sizes: list[int], repeats: int, everyone: 
             # Not per layer: the median over the depths.
             **{f"{key}_s": statistics.median(d[key] for d in depths)
                for key in ("batch", "embedding_forward", "embedding_backward")},
+            # The deepest model's: the closest to a training micro-batch of a whole stage.
+            "micro_batch_cv": depths[-1]["cv"],
         })
     return entries
 
