@@ -305,10 +305,11 @@ class Planner:
                          mbs: int) -> float:
         """Expected end of the slowest of replicas given as (pattern, fill, step, micro-batches):
         the predictor's stage ends (hetero/stragglers.py), one step's variation for a micro-batch's."""
-        alike = collections.Counter(
-            (fill + m * step, replica_spread(self._micro_batch_cv(pattern, tp, mbs) * step, m))
-            for pattern, fill, step, m in replicas)
-        return expected_slowest((end, spread, n) for (end, spread), n in alike.items())
+        ends = [(fill + m * step, replica_spread(self._micro_batch_cv(pattern, tp, mbs) * step, m))
+                for pattern, fill, step, m in replicas]
+        if all(spread == 0 for _, spread in ends):  # the catalog's devices: the search's hot path
+            return max(end for end, _ in ends)
+        return expected_slowest((end, spread, n) for (end, spread), n in collections.Counter(ends).items())
 
     def _end_times(self, first: Iterable[int], last: Iterable[int], stages: int, tp: Degrees,
                    mbs: int) -> tuple[float, float]:
