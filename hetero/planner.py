@@ -53,7 +53,7 @@ from hetero.placement import (
 from hetero.plan import Plan
 from hetero.predictor import Prediction, predict, stage_recompute
 from hetero.profiles import Profiles
-from hetero.stragglers import expected_slowest, replica_spread
+from hetero.stragglers import replica_spread, slowest_of
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
 
@@ -305,11 +305,8 @@ class Planner:
                          mbs: int) -> float:
         """Expected end of the slowest of replicas given as (pattern, fill, step, micro-batches):
         the predictor's stage ends (hetero/stragglers.py), one step's variation for a micro-batch's."""
-        ends = [(fill + m * step, replica_spread(self._micro_batch_cv(pattern, tp, mbs) * step, m))
-                for pattern, fill, step, m in replicas]
-        if all(spread == 0 for _, spread in ends):  # the catalog's devices: the search's hot path
-            return max(end for end, _ in ends)
-        return expected_slowest((end, spread, n) for (end, spread), n in collections.Counter(ends).items())
+        return slowest_of((fill + m * step, replica_spread(self._micro_batch_cv(pattern, tp, mbs) * step, m))
+                          for pattern, fill, step, m in replicas)
 
     def _end_times(self, first: Iterable[int], last: Iterable[int], stages: int, tp: Degrees,
                    mbs: int) -> tuple[float, float]:

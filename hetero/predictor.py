@@ -25,7 +25,7 @@ from hetero.errors import PlanError
 from hetero.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, stage_params
 from hetero.plan import Plan
 from hetero.schedule import Op, StageTiming, simulate_1f1b
-from hetero.stragglers import expected_slowest, replica_spread
+from hetero.stragglers import replica_spread, slowest_of
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_sta
     ends when its slowest replica does, later than the slowest mean when they vary."""
     simulated: dict[tuple, list[list[Op]]] = {}
     timelines: dict[int, list[list[Op]]] = {}
-    ends: list[dict[tuple[float, float], int]] = [{} for _ in range(plan.pipeline_parallel)]
+    ends: list[list[tuple[float, float]]] = [[] for _ in range(plan.pipeline_parallel)]
     v = virtual_stages
     for d, row in enumerate(timings):
         m = plan.replicas[d].num_micro_batches
@@ -172,9 +172,8 @@ def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_sta
             simulated[key] = simulate_1f1b(chunks, m * v)
         timelines[d] = simulated[key]
         for s, ops in enumerate(simulated[key]):
-            spread = replica_spread(spreads[d][s], m) if spreads else 0.0
-            ends[s][(ops[-1].end, spread)] = ends[s].get((ops[-1].end, spread), 0) + 1
-    return [expected_slowest((end, spread, n) for (end, spread), n in alike.items()) for alike in ends], timelines
+            ends[s].append((ops[-1].end, replica_spread(spreads[d][s], m) if spreads else 0.0))
+    return [slowest_of(replicas) for replicas in ends], timelines
 
 
 def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]],

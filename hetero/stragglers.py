@@ -13,6 +13,7 @@ normals ("The greatest of a finite set of random variables", Operations Research
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Iterable
@@ -66,6 +67,16 @@ def expected_slowest(ends: Iterable[tuple[float, float, int]]) -> float:
     if result is None:
         raise ValueError("expected_slowest: no ranks")
     return result[0]
+
+
+def slowest_of(replicas: Iterable[tuple[float, float]]) -> float:
+    """expected_slowest of replicas given one by one as (mean end, standard deviation):
+    alike ones counted together, and the plain maximum where none varies (the catalog's
+    devices, the planner's hot path)."""
+    ends = list(replicas)
+    if all(sigma == 0 for _, sigma in ends):
+        return max(end for end, _ in ends)
+    return expected_slowest((end, sigma, n) for (end, sigma), n in collections.Counter(ends).items())
 
 
 def replica_spread(micro_batch_sigma: float, num_micro_batches: int) -> float:
