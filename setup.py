@@ -2,7 +2,7 @@
 
 Install (the CPU torch wheel first, so nothing pulls a CUDA build on a CPU machine):
     pip install torch==2.13.0 && pip install --no-build-isolation -e '.[test]'
---no-build-isolation because the C++ extension hetero._comm_ext builds against the
+--no-build-isolation because the C++ extension hetero_comm._comm_ext builds against the
 installed torch.
 """
 
@@ -13,7 +13,7 @@ from torch.utils import cpp_extension
 
 
 def comm_extension() -> cpp_extension.CppExtension:
-    """hetero._comm_ext, the C++ side of the `hetero` torch.distributed backend (csrc/).
+    """hetero_comm._comm_ext, the C++ side of the `hetero` torch.distributed backend (csrc/).
 
     One source tree for every torch build: with a CUDA or ROCm torch and its toolkit
     present it is a CUDAExtension (ROCm sources are hipified by torch) with the
@@ -28,11 +28,11 @@ def comm_extension() -> cpp_extension.CppExtension:
     )
     if gpu_toolkit:
         return cpp_extension.CUDAExtension(
-            "hetero._comm_ext", sources, define_macros=[("HETERO_WITH_CUDA", "1")],
+            "hetero_comm._comm_ext", sources, define_macros=[("HETERO_WITH_CUDA", "1")],
             extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"], "nvcc": ["-O2"]}, **common,
         )
     return cpp_extension.CppExtension(
-        "hetero._comm_ext", sources, extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]}, **common
+        "hetero_comm._comm_ext", sources, extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]}, **common
     )
 
 
@@ -43,7 +43,8 @@ setup(
     python_requires=">=3.10",
     # `megatron` is a namespace shared with the installed megatron-core: we ship only
     # megatron.hetero and never a megatron/__init__.py.
-    packages=find_namespace_packages(include=["hetero", "hetero.*", "megatron.hetero", "megatron.hetero.*"]),
+    packages=find_namespace_packages(include=["hetero", "hetero.*", "hetero_comm", "megatron.hetero",
+                                              "megatron.hetero.*"]),
     py_modules=["pretrain_gpt"],
     # Megatron-LM's flag facts, read by megatron.hetero.flags at start-up.
     package_data={"megatron.hetero": ["megatron_lm_flags.json"]},
@@ -75,6 +76,6 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={
-        "console_scripts": ["hetero-plan=hetero.cli:main", "hetero-launch=hetero.launch:main"],
+        "console_scripts": ["hetero-plan=hetero.cli:main", "hetero-launch=hetero.launch.commands:main"],
     },
 )

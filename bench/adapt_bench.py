@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hetero.cluster import Cluster  # noqa: E402
+from hetero.spec.cluster import Cluster  # noqa: E402
 from hetero.plan import Plan  # noqa: E402
 from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The hetero communication backend (hetero.comm, csrc/) measured on an emulated cluster.
+"""The hetero communication backend (hetero_comm, csrc/) measured on an emulated cluster.
 
     sudo python bench/comm_bench.py                # ~3 min; needs root for the shaped link
 
@@ -47,7 +47,7 @@ def worker(rounds: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import hetero.comm  # noqa: F401  (registers the backend)
+    import hetero_comm  # noqa: F401  (registers the backend)
 
     dist.init_process_group("hetero")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -126,7 +126,7 @@ def main() -> int:
     if options.worker:
         worker(options.rounds, options.out)
         return 0
-    from hetero.cluster import Cluster
+    from hetero.spec.cluster import Cluster
     from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals
 
     stop_on_termination_signals()  # a killed bench still removes its emulated cluster

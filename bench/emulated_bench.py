@@ -49,13 +49,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hetero.baseline import megatron_baseline  # noqa: E402
-from hetero.cluster import Cluster  # noqa: E402
-from hetero.costs import CostModel, TrainingSetup  # noqa: E402
-from hetero.plan import Plan, write_json_atomic  # noqa: E402
-from hetero.planner import Planner, PlannerOptions, _distinct  # noqa: E402
-from hetero.predictor import Prediction, predict  # noqa: E402
-from hetero.profiles import Profiles  # noqa: E402
+from hetero.search.baseline import megatron_baseline  # noqa: E402
+from hetero.spec.cluster import Cluster  # noqa: E402
+from hetero.predict.costs import CostModel, TrainingSetup  # noqa: E402
+from hetero.io import write_json_atomic
+from hetero.plan import Plan  # noqa: E402
+from hetero.search.planner import Planner, PlannerOptions, _distinct  # noqa: E402
+from hetero.predict.predictor import Prediction, predict  # noqa: E402
+from hetero.spec.profiles import Profiles  # noqa: E402
 from hetero.report import logged_iteration_times_s, measured_timeline_png  # noqa: E402
 from megatron.hetero.log import cpu_peak_memory_mb  # noqa: E402
 from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402

@@ -16,7 +16,7 @@
    beside the predictor's, from the curve alone and from a profile of real layers taken
    first (tools/profile_compute.py).
 
-Writes DIR/gpu_bench.json and prints tables. Needs CUDA and a build of hetero._comm_ext.
+Writes DIR/gpu_bench.json and prints tables. Needs CUDA and a build of hetero_comm._comm_ext.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def time_gemm(m: int, n: int, k: int, repeats: int = 20) -> float:
 
 
 def bench_gemm() -> list[dict]:
-    from hetero.catalog import DEVICES
-    from hetero.efficiency import curve_for
+    from hetero.spec.catalog import DEVICES
+    from hetero.predict.efficiency import curve_for
 
     peak = DEVICES[DEVICE_TYPE].peak_tflops
     curve = curve_for(DEVICE_TYPE, "nvidia")
@@ -101,7 +101,7 @@ def comm_worker() -> None:
     """One rank: every collective on CUDA tensors over the cross-vendor bridge."""
     import torch.distributed as dist
 
-    import hetero.comm
+    import hetero_comm
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(0)
@@ -148,7 +148,7 @@ def comm_worker() -> None:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         check(f"send/recv {numel}", torch.equal(received.cpu(), xs[peer]))
-    mode = hetero.comm.describe(dist.group.WORLD)["mode"]
+    mode = hetero_comm.describe(dist.group.WORLD)["mode"]
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps({"rank": rank, "mode": mode, "cases": cases, "failures": failures}), flush=True)
@@ -225,7 +225,7 @@ def bench_parity(out: Path) -> dict:
 # ----- 4. predicted vs measured training --------------------------------------------------
 
 def cluster_of_one():
-    from hetero.cluster import Cluster
+    from hetero.spec.cluster import Cluster
 
     node = {"host": "gpu0", "device": DEVICE_TYPE, "count": 1, "intra_link": "nvlink4", "nic": {"kind": "ib", "gbps": 400}}
     return Cluster.from_dict({"name": "one GPU", "groups": [{"name": "local", "nodes": [node]}]})
@@ -238,11 +238,11 @@ def model_spec():
 
 
 def bench_train(out: Path) -> list[dict]:
-    from hetero.costs import CostModel, TrainingSetup
-    from hetero.memory import DEFAULT_OVERHEAD_GIB
+    from hetero.predict.costs import CostModel, TrainingSetup
+    from hetero.predict.memory import DEFAULT_OVERHEAD_GIB
     from hetero.plan import Plan
-    from hetero.predictor import predict
-    from hetero.profiles import Profiles
+    from hetero.predict.predictor import predict
+    from hetero.spec.profiles import Profiles
     from hetero.report import logged_iteration_times_s
 
     profile_dir = out / "profiles"

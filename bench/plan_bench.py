@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hetero.cli import plan_job  # noqa: E402
-from hetero.planner import PlannerOptions  # noqa: E402
-from hetero.cluster import Cluster  # noqa: E402
-from hetero.model import load_model  # noqa: E402
+from hetero.search.planner import PlannerOptions  # noqa: E402
+from hetero.spec.cluster import Cluster  # noqa: E402
+from hetero.spec.model import load_model  # noqa: E402
 
 CLUSTERS = REPO / "examples" / "clusters"
 

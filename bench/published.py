@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hetero.cluster import Cluster  # noqa: E402
-from hetero.costs import CostModel, TrainingSetup  # noqa: E402
-from hetero.model import ModelSpec  # noqa: E402
+from hetero.spec.cluster import Cluster  # noqa: E402
+from hetero.predict.costs import CostModel, TrainingSetup  # noqa: E402
+from hetero.spec.model import ModelSpec  # noqa: E402
 from hetero.plan import Plan  # noqa: E402
-from hetero.predictor import Prediction, predict  # noqa: E402
+from hetero.predict.predictor import Prediction, predict  # noqa: E402
 
 SEQUENCE, VOCABULARY, GPUS_PER_NODE = 2048, 51200, 8
 

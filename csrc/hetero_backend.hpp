@@ -1,6 +1,6 @@
 // The "hetero" torch.distributed backend for one process group.
 //
-// Python (hetero/comm) finds out which vendor each member runs on and builds the inner
+// Python (hetero_comm) finds out which vendor each member runs on and builds the inner
 // backends; this class moves the data:
 // - one vendor in the group ("pass-through"): every operation goes straight to the native
 //   backend for the tensor's device (NCCL/RCCL for CUDA tensors, gloo for CPU tensors),

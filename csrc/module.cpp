@@ -1,4 +1,4 @@
-// Python bindings of hetero._comm_ext: the HeteroBackend class, built by hetero/comm.
+// Python bindings of hetero_comm._comm_ext: the HeteroBackend class, built by hetero/comm.
 #include <torch/csrc/utils/pybind.h>
 
 #include "hetero_backend.hpp"
@@ -17,7 +17,7 @@ c10::intrusive_ptr<c10d::Backend> optionalBackend(const py::object& obj) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "C++ data movement of the hetero torch.distributed backend (see hetero.comm)";
+  m.doc() = "C++ data movement of the hetero torch.distributed backend (see hetero_comm)";
   py::module_::import("torch.distributed");  // registers c10d::Backend with pybind11
 
   py::class_<hetero::HeteroBackend, c10d::Backend, c10::intrusive_ptr<hetero::HeteroBackend>>(

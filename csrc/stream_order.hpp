@@ -74,7 +74,7 @@ class StreamOrder {
     }
 #else
     TORCH_CHECK(false,
-                "hetero backend: this build of hetero._comm_ext has no CUDA support; rebuild it "
+                "hetero backend: this build of hetero_comm._comm_ext has no CUDA support; rebuild it "
                 "against a CUDA or ROCm torch with the toolkit installed "
                 "(pip install --no-build-isolation -e .)");
 #endif

@@ -4,7 +4,7 @@ Framework-agnostic: nothing here imports torch or megatron.
 """
 
 from hetero.errors import HeteroError, PlanError
-from hetero.model import ModelSpec
+from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 
 __all__ = ["HeteroError", "PlanError", "ModelSpec", "Plan"]

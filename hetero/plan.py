@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
@@ -62,7 +61,7 @@ from typing import Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetero.errors import PlanError
-from hetero.validation import describe_validation_error
+from hetero.io import describe_validation_error, write_json_atomic
 
 PLAN_VERSION = 3
 SUPPORTED_VERSIONS = (1, 2, 3)
@@ -504,28 +503,3 @@ def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: i
     else asks the Plan."""
     degrees = [tensor_parallel] * (pp_rank + 1) if isinstance(tensor_parallel, int) else tensor_parallel
     return data_parallel * sum(degrees[:pp_rank]) + tp_rank + degrees[pp_rank] * dp_rank
-
-
-def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Writes JSON so that a crash leaves either the old file or the new one, never a mix."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-if __name__ == "__main__":  # `python -m hetero.plan ...` is hetero-plan
-    import sys
-
-    from hetero.cli import main
-
-    sys.exit(main())

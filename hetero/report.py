@@ -7,10 +7,10 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from hetero.cluster import Cluster
-from hetero.memory import GIB
+from hetero.spec.cluster import Cluster
+from hetero.predict.memory import GIB
 from hetero.plan import Plan
-from hetero.predictor import Prediction
+from hetero.predict.predictor import Prediction
 
 
 def _replica_groups(plan: Plan) -> list[tuple[int, str, int]]:

@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import hetero.comm
+import hetero_comm
 
 warnings.filterwarnings("ignore")  # torch's deprecation notices for the old collective names
 
@@ -333,7 +333,7 @@ COVERAGE = {
 
 def check_group(c: Checker, name: str, het, ref, coverage: str) -> dict:
     c.start_group(name)
-    mode = hetero.comm.describe(het)["mode"]
+    mode = hetero_comm.describe(het)["mode"]
     dtypes, shapes, blocks = COVERAGE[coverage]
     seconds = {}
     for check, args in [
@@ -350,7 +350,7 @@ def check_group(c: Checker, name: str, het, ref, coverage: str) -> dict:
     check_p2p(c, het)
     if mode == "hierarchical":
         check_errors(c, het)
-    return {"name": name, "mode": mode, "vendors": hetero.comm.describe(het)["vendors"],
+    return {"name": name, "mode": mode, "vendors": hetero_comm.describe(het)["vendors"],
             "seconds": seconds}
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from conftest import GPT_MODEL, TRAINING, make_plan
-from hetero.devices import device_type_matches
+from hetero.spec.devices import device_type_matches
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from megatron.hetero.arguments import apply_plan, padded_vocab_size, parse_args, validate_args

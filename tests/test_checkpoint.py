@@ -7,7 +7,6 @@ dies), gloo, megatron-core's distributed optimizer and distributed checkpoint fo
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 

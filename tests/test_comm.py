@@ -1,4 +1,4 @@
-"""The ``hetero`` torch.distributed backend (hetero.comm, csrc/) against plain gloo.
+"""The ``hetero`` torch.distributed backend (hetero_comm, csrc/) against plain gloo.
 
 Processes on 127.0.0.1 are labelled with vendors; gloo stands in for NCCL/RCCL inside a
 vendor. Each world is started once and runs every operation, dtype and shape inside it
@@ -90,22 +90,22 @@ def test_three_vendors_interleaved_small_chunks(tmp_path):
 
 
 def test_registered_and_vendor_resolution(monkeypatch):
-    import hetero.comm
+    import hetero_comm
 
     assert "hetero" in dist.Backend.backend_list
     assert dist.Backend.backend_capability["hetero"] == ["cpu", "cuda"]
     monkeypatch.setenv("HETERO_VENDOR", "NVIDIA,amd")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    hetero.comm.set_vendor(None)
-    assert hetero.comm.get_vendor() == "amd"
-    hetero.comm.set_vendor("Intel")
+    hetero_comm.set_vendor(None)
+    assert hetero_comm.get_vendor() == "amd"
+    hetero_comm.set_vendor("Intel")
     try:
-        assert hetero.comm.get_vendor() == "intel"  # set_vendor wins over the environment
+        assert hetero_comm.get_vendor() == "intel"  # set_vendor wins over the environment
     finally:
-        hetero.comm.set_vendor(None)
+        hetero_comm.set_vendor(None)
     monkeypatch.setenv("HETERO_COMM_CHUNK_BYTES", "0")
     with pytest.raises(ValueError, match="HETERO_COMM_CHUNK_BYTES"):
-        hetero.comm.chunk_bytes()
+        hetero_comm.chunk_bytes()
 
 
 @pytest.mark.slow

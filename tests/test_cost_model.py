@@ -12,17 +12,17 @@ import pytest
 
 from conftest import GPT_MODEL, TRAINING
 from hetero.cli import plan_job
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
-from hetero.efficiency import curve_for
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.efficiency import curve_for
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec, load_model
-from hetero.placement import place
+from hetero.spec.model import ModelSpec, load_model
+from hetero.search.placement import place
 from hetero.plan import Plan
-from hetero.profiles import ComputeProfile, Profiles, model_shape
-from hetero.planner import PLAN_RECOMPUTE, Planner, PlannerOptions
-from hetero.predictor import predict
-from hetero.schedule import StageTiming
+from hetero.spec.profiles import ComputeProfile, Profiles, model_shape
+from hetero.search.planner import PLAN_RECOMPUTE, Planner, PlannerOptions
+from hetero.predict.predictor import predict
+from hetero.predict.schedule import StageTiming
 from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def test_activation_memory_matches_the_paper(t):
 
 
 def test_interleaving_divides_the_bubble_by_the_virtual_stages():
-    from hetero.predictor import simulate_pipelines
+    from hetero.predict.predictor import simulate_pipelines
 
     p, m, v = 4, 8, 2
     plan = Plan.uniform(tensor_parallel=1, pipeline_parallel=p, data_parallel=1, micro_batch_size=1,

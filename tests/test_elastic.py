@@ -13,15 +13,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import GPT_MODEL, REPO, TRAINING, assert_nothing_left, run_pretrain
-from hetero.cluster import Cluster
-from hetero.elastic import AttemptResult, cluster_without, lost_hosts, with_load
+from hetero.spec.cluster import Cluster
+from hetero.launch.elastic import AttemptResult, cluster_without, lost_hosts, with_load
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from tools.emulator import EmulatedCluster
@@ -113,8 +112,8 @@ def test_a_job_that_loses_a_node_finishes_on_the_other_as_a_hand_resume_would(tm
     train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
                                     "--save", str(save), "--save-interval", "2"]
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "hetero.launch", str(plan), "--elastic", "--cluster", str(CLUSTER),
-         "--run-dir", str(tmp_path / "runs"), "--", *train],
+        [sys.executable, "-m", "tools.emulator", "--cluster", str(CLUSTER), "--plan", str(plan), "--elastic",
+         "--run-dir", str(tmp_path / "runs"), "--", "pretrain_gpt.py", *train],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero.cluster import Cluster
+from hetero.spec.cluster import Cluster
 from tools.emulator import EmulatedCluster, RankLayout
 from tools.emulator.cluster import balanced_cpus
 from tools.emulator.cpu_quota import CPU_CGROUP, CpuQuotas, period_us

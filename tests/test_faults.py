@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import GPT_MODEL, REPO, TRAINING, LiveJob, make_plan, processes_mentioning, run_pretrain
-from hetero.cluster import Cluster
+from hetero.spec.cluster import Cluster
 from hetero.plan import Plan
 from megatron.hetero.watchdog import PEER_TIMEOUT_S, _process_exists
 from tools.emulator import EmulatedCluster, RankLayout

@@ -10,11 +10,10 @@ import sys
 
 import pytest
 
-from conftest import GPT_MODEL, REPO, TRAINING, make_plan, run_pretrain
+from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
 from hetero.errors import HeteroError
-from hetero.plan import Plan
 from megatron.hetero import flag_catalog, flags
-from megatron.hetero.arguments import apply_plan, build_parser, parse_args, validate_args
+from megatron.hetero.arguments import build_parser, parse_args
 from tools.flags_doc import render
 
 BASE = GPT_MODEL + TRAINING

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_plan, run_pretrain
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
-from hetero.model import ModelSpec
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
-from hetero.predictor import predict
+from hetero.predict.predictor import predict
 from megatron.hetero.log import cpu_peak_memory_mb
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,10 @@ import pytest
 
 from conftest import GPT_MODEL, TRAINING, assert_same_training, run_pretrain
 from hetero.cli import main
-from hetero.cluster import Cluster
+from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
-from hetero.model import load_model
-from hetero.costs import TrainingSetup
+from hetero.spec.model import load_model
+from hetero.predict.costs import TrainingSetup
 from hetero.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

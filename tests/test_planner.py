@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from hetero.baseline import megatron_baseline, upper_bound
-from hetero.cluster import Cluster
+from hetero.search.baseline import megatron_baseline, upper_bound
+from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
-from hetero.model import PRESETS, ModelSpec
-from hetero.planner import Planner, PlannerOptions, allocate_micro_batches, split_layers
+from hetero.spec.model import PRESETS, ModelSpec
+from hetero.search.planner import Planner, PlannerOptions, allocate_micro_batches, split_layers
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 FAST_SLOW = {

@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
-from hetero.memory import GIB, rank_memory
-from hetero.model import PRESETS, ModelSpec
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.memory import GIB, rank_memory
+from hetero.spec.model import PRESETS, ModelSpec
 from hetero.plan import DeviceEntry, Plan
-from hetero.predictor import predict
-from hetero.profiles import Profiles
-from hetero.schedule import StageTiming, makespan, op_order, simulate_1f1b
+from hetero.predict.predictor import predict
+from hetero.spec.profiles import Profiles
+from hetero.predict.schedule import StageTiming, makespan, op_order, simulate_1f1b
 
 
 def _cluster(nodes, inter=()):
@@ -148,7 +148,7 @@ def test_one_device_iteration_is_micro_batches_times_work_plus_step():
 def test_measured_profiles_replace_the_roofline(tmp_path):
     cluster = _cluster([_node("a")])
     model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
-    from hetero.profiles import model_shape
+    from hetero.spec.profiles import model_shape
     (tmp_path / "a100.json").write_text(json.dumps({
         "kind": "compute", "device_type": "A100-80GB", "precision": "bf16", "model": model_shape(model),
         "entries": [{"tensor_parallel": 1, "micro_batch_size": 1, "layer_forward_s": 0.01, "layer_backward_s": 0.03}],
@@ -166,7 +166,7 @@ def test_measured_profiles_replace_the_roofline(tmp_path):
 
 def test_profiles_of_several_passes_merge_to_their_median():
     from hetero.errors import HeteroError
-    from hetero.profiles import ComputeProfile, LinkProfile, median_profile, model_shape
+    from hetero.spec.profiles import ComputeProfile, LinkProfile, median_profile, model_shape
 
     model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)
 
@@ -199,7 +199,7 @@ def test_profiles_of_several_passes_merge_to_their_median():
 
 
 def test_the_first_stage_runs_the_embedding_and_the_last_the_rest_of_the_profiled_logits():
-    from hetero.profiles import ComputeProfile, model_shape
+    from hetero.spec.profiles import ComputeProfile, model_shape
 
     cluster = _cluster([_node("a")])
     model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, vocab_size=1024)

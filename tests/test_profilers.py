@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
-from hetero.model import ModelSpec
-from hetero.profiles import Profiles
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.spec.model import ModelSpec
+from hetero.spec.profiles import Profiles
 from tools.emulator import EmulatedCluster, RankLayout
 
 REPO = Path(__file__).resolve().parent.parent

@@ -4,13 +4,13 @@ maxima, and the predictor's iteration growing with a device's measured variation
 import numpy
 import pytest
 
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
-from hetero.model import ModelSpec
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
-from hetero.predictor import predict
-from hetero.profiles import ComputeProfile, Profiles, model_shape
-from hetero.stragglers import expected_slowest, replica_spread
+from hetero.predict.predictor import predict
+from hetero.spec.profiles import ComputeProfile, Profiles, model_shape
+from hetero.predict.stragglers import expected_slowest, replica_spread
 
 SAMPLES = 400_000
 
@@ -96,7 +96,7 @@ def test_a_single_replica_does_not_wait():
 
 
 def test_profiles_median_keeps_the_variation():
-    from hetero.profiles import median_entry
+    from hetero.spec.profiles import median_entry
 
     entries = [{"tensor_parallel": 1, "micro_batch_size": 1, "layer_forward_s": 1.0, "micro_batch_cv": cv}
                for cv in (0.05, 0.2, 0.1)]

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from hetero.errors import HeteroError
 from hetero.launch import split_at_double_dash
-from hetero.plan import write_json_atomic
-from hetero.profiles import ComputeProfile, median_entry, model_shape
+from hetero.io import write_json_atomic
+from hetero.spec.profiles import ComputeProfile, median_entry, model_shape
 
 PROBE_DEPTHS = (1, 2, 3, 4)
 # Flags the profile does not depend on but pretrain_gpt.py's parser insists on.

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetero.plan import write_json_atomic
-from hetero.profiles import LinkProfile
+from hetero.io import write_json_atomic
+from hetero.spec.profiles import LinkProfile
 
 
 def _ping_pong(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:

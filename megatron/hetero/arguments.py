@@ -14,10 +14,10 @@ import signal
 import os
 from typing import Sequence
 
-from hetero.catalog import DEVICES
-from hetero.cluster import Cluster
+from hetero.spec.catalog import DEVICES
+from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec
+from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from megatron.hetero import flags
 

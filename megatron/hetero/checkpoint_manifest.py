@@ -17,7 +17,7 @@ import zlib
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.plan import write_json_atomic
+from hetero.io import write_json_atomic
 
 MANIFEST = "hetero_manifest.json"
 _CHUNK = 1 << 20

@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec
-from hetero.plan import Plan, write_json_atomic
+from hetero.spec.model import ModelSpec
+from hetero.io import write_json_atomic
+from hetero.plan import Plan
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,

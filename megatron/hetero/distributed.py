@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hetero.devices import CPU, device_type_matches
+from hetero.spec.devices import CPU, device_type_matches
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from megatron.hetero import stage_tensor_parallel
@@ -185,10 +185,10 @@ def comm_vendor(plan: Plan, launch: Launch, found: FoundDevice, planned: bool) -
 
 def _use_hetero_backend(vendor: str) -> None:
     try:
-        import hetero.comm
+        import hetero_comm
     except ImportError as err:
         raise HeteroError(f"--distributed-backend hetero: {err}") from None
-    hetero.comm.set_vendor(vendor)
+    hetero_comm.set_vendor(vendor)
 
 
 _store: dist.Store | None = None

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec
+from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from megatron.core import parallel_state
 from megatron.core.distributed import (

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero.cluster import Cluster
+from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from tools.emulator import cpu_quota, network
@@ -260,7 +260,7 @@ class EmulatedCluster:
 
 
 class ElasticRunner:
-    """hetero.elastic's node runner: each attempt runs its plan on an emulated copy of the
+    """hetero.launch.elastic's node runner: each attempt runs its plan on an emulated copy of the
     plan's nodes, every device keeping its speed (the full cluster's fastest device is the
     reference whatever is left)."""
 
@@ -270,7 +270,7 @@ class ElasticRunner:
         self.reference_tflops = max(d.peak_tflops for d in (n.device for n in cluster.nodes))
 
     def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int):
-        from hetero.elastic import AttemptResult
+        from hetero.launch.elastic import AttemptResult
 
         emulated = EmulatedCluster(self.cluster, RankLayout.of_plan(plan), shaped=self.shaped,
                                    reference_tflops=self.reference_tflops)

@@ -38,8 +38,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec
-from hetero.validation import describe_validation_error
+from hetero.spec.model import ModelSpec
+from hetero.io import describe_validation_error
 
 def model_shape(model: ModelSpec) -> dict:
     """The fields a per-layer timing depends on (layer count does not matter)."""

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hetero.comm.vendor import get_vendor
+from hetero_comm.vendor import get_vendor
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 
@@ -50,10 +50,10 @@ def _wrap_single_vendor() -> bool:
 
 def load_extension():
     try:
-        from hetero import _comm_ext
+        from hetero_comm import _comm_ext
     except ImportError as err:
         raise ImportError(
-            "hetero.comm needs the C++ extension hetero._comm_ext, which is not built "
+            "hetero_comm needs the C++ extension hetero_comm._comm_ext, which is not built "
             f"({err}); build it with `pip install --no-build-isolation -e .` in the "
             "Megatron-Hetero checkout (`make setup` does this)"
         ) from err

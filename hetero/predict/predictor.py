@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from hetero.cluster import Cluster
-from hetero.costs import CostModel
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel
 from hetero.errors import PlanError
-from hetero.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, stage_params
+from hetero.predict.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, stage_params
 from hetero.plan import Plan
-from hetero.schedule import Op, StageTiming, simulate_1f1b
-from hetero.stragglers import replica_spread, slowest_of
+from hetero.predict.schedule import Op, StageTiming, simulate_1f1b
+from hetero.predict.stragglers import replica_spread, slowest_of
 
 
 @dataclass(frozen=True)

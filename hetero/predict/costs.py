@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from hetero.cluster import Cluster, Route
-from hetero.efficiency import MEMORY_EFFICIENCY, curve_for
+from hetero.spec.cluster import Cluster, Route
+from hetero.predict.efficiency import MEMORY_EFFICIENCY, curve_for
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec
-from hetero.profiles import Profiles
+from hetero.spec.model import ModelSpec
+from hetero.spec.profiles import Profiles
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # Bytes an Adam step touches per parameter: fp32 grad (4), master weight read+write (8),

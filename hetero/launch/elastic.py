@@ -1,6 +1,6 @@
 """Elastic runs: a job that loses a node re-plans for the devices left and carries on.
 
-    python -m hetero.launch plan.json --elastic --cluster C.yaml [--emulate] -- <flags> \\
+    python -m tools.emulator --cluster C.yaml --plan plan.json --elastic -- pretrain_gpt.py <flags> \\
         --save DIR --save-interval N
 
 The supervisor starts every node's launcher (a runner: local processes, or the emulated
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
-from hetero.cluster import Cluster
+from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
+from hetero.jobs import plan_for_recorded_job
 from hetero.plan import Plan
 
 # What a rank prints when it finds others gone (megatron/hetero/watchdog.py).
@@ -82,8 +83,6 @@ def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
 
 def replan(plan: Plan, lost: set[str]) -> Plan:
     """The same job (model, precision, global batch, search space) on the surviving nodes."""
-    from hetero.cli import plan_for_recorded_job  # the CLI owns how a recorded job is planned
-
     extra = plan.model_extra
     missing = [k for k in ("cluster", "model", "training") if k not in extra]
     if missing:

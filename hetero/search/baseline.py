@@ -18,15 +18,15 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterator
 
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, TrainingSetup
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
-from hetero.model import ModelSpec
+from hetero.spec.model import ModelSpec
 from hetero.plan import DeviceEntry, Plan, logical_rank_at
-from hetero.planner import FLOOR_ROUNDING, Planner, PlannerOptions, setup_for
-from hetero.predictor import Prediction, fits_in_memory, predict
-from hetero.profiles import Profiles
-from hetero.schedule import StageTiming, stage_ends_1f1b
+from hetero.search.planner import FLOOR_ROUNDING, Planner, PlannerOptions, setup_for
+from hetero.predict.predictor import Prediction, fits_in_memory, predict
+from hetero.spec.profiles import Profiles
+from hetero.predict.schedule import StageTiming, stage_ends_1f1b
 
 
 @dataclass

@@ -17,7 +17,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from hetero.errors import HeteroError
-from hetero.validation import describe_validation_error
+from hetero.io import describe_validation_error
 
 
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

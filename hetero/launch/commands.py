@@ -2,7 +2,6 @@
 
     python -m hetero.launch plan.json -- --num-layers 32 ...      # print every node's command
     python -m hetero.launch plan.json --node-rank 1 --run -- ...  # run node 1's command here
-    python -m hetero.launch plan.json --elastic --cluster C.yaml -- ... --save DIR  # survive lost nodes
 
 torchrun numbers ranks node by node, so launch ranks of one host are consecutive (the
 plan validator insists on it) and node k runs launch ranks of the k-th host in the plan.
@@ -96,18 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="set HETERO_DEVICE so CPU processes stand in for the plan's devices")
     parser.add_argument("--node-rank", type=int, default=None, help="only this node")
     parser.add_argument("--run", action="store_true", help="run the command of --node-rank here")
-    elastic = parser.add_argument_group("elastic (hetero/elastic.py)")
-    elastic.add_argument("--elastic", action="store_true",
-                         help="run every node and keep the job alive: after a lost node, re-plan "
-                              "for the survivors and resume from the last checkpoint")
-    elastic.add_argument("--cluster", default=None, help="the cluster spec the nodes run on")
-    elastic.add_argument("--unshaped", action="store_true",
-                         help="nodes as plain local processes (no namespaces, quotas; no root)")
-    elastic.add_argument("--max-restarts", type=int, default=3)
-    elastic.add_argument("--run-dir", default="runs/elastic", help="where re-planned plans go")
     options = parser.parse_args(argv)
-    if options.elastic:
-        return _run_elastic(options, train_args)
     try:
         plan = Plan.load(options.plan)
         commands = node_commands(
@@ -134,27 +122,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# node {command.node_rank}: {command.host}, launch ranks {ranks[0]}-{ranks[-1]}")
         print(command.shell())
     return 0
-
-
-def _run_elastic(options: argparse.Namespace, train_args: list[str]) -> int:
-    """The nodes run on this machine, as the emulated cluster of tools/emulator: the only
-    runner built so far (a cluster of real machines needs one that starts remote nodes)."""
-    from pathlib import Path
-
-    from hetero.cluster import Cluster
-    from hetero.elastic import run_elastic
-    from tools.emulator.cluster import ElasticRunner
-
-    try:
-        if not options.cluster:
-            raise HeteroError("--elastic needs --cluster C.yaml: the nodes to run on")
-        runner = ElasticRunner(Cluster.load(options.cluster), shaped=not options.unshaped)
-        return run_elastic(options.plan, train_args, runner, Path(options.run_dir),
-                           options.max_restarts, log=lambda line: print(line, flush=True))
-    except HeteroError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

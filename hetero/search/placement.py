@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
-from hetero.cluster import Cluster
+from hetero.spec.cluster import Cluster
 from hetero.plan import PLAN_VERSION, DeviceEntry, Plan, ReplicaEntry, StageEntry, logical_rank_at
 
 ORDERS = ("replica-major", "stage-major")

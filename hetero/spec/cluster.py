@@ -29,9 +29,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetero.catalog import DEVICES, INTRA_NODE_LINKS, NIC_KINDS, VENDOR_BRIDGE, DeviceType, LinkType
+from hetero.spec.catalog import DEVICES, INTRA_NODE_LINKS, NIC_KINDS, VENDOR_BRIDGE, DeviceType, LinkType
 from hetero.errors import HeteroError
-from hetero.validation import describe_validation_error
+from hetero.io import describe_validation_error
 
 
 class _Spec(BaseModel):

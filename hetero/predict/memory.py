@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.costs import CostModel
+from hetero.predict.costs import CostModel
 
 GIB = 1024**3
 # CUDA/ROCm context, communicator buffers, library workspaces; a CPU process's interpreter,

@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from hetero.cluster import Cluster
-from hetero.costs import CostModel, LayerCost, TrainingSetup
+from hetero.spec.cluster import Cluster
+from hetero.predict.costs import CostModel, LayerCost, TrainingSetup
 from hetero.errors import HeteroError
-from hetero.memory import layer_capacity, micro_batches_in_flight, stage_memory_terms, stage_params
-from hetero.model import ModelSpec
-from hetero.placement import (
+from hetero.predict.memory import layer_capacity, micro_batches_in_flight, stage_memory_terms, stage_params
+from hetero.spec.model import ModelSpec
+from hetero.search.placement import (
     ORDERS,
     GroupPart,
     class_group_part,
@@ -51,9 +51,9 @@ from hetero.placement import (
     representative_hosts,
 )
 from hetero.plan import Plan
-from hetero.predictor import Prediction, predict, stage_recompute
-from hetero.profiles import Profiles
-from hetero.stragglers import replica_spread, slowest_of
+from hetero.predict.predictor import Prediction, predict, stage_recompute
+from hetero.spec.profiles import Profiles
+from hetero.predict.stragglers import replica_spread, slowest_of
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
 

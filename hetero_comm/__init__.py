@@ -2,15 +2,15 @@
 
 Importing this package registers the backend (devices cpu and cuda)::
 
-    import hetero.comm
-    hetero.comm.set_vendor("amd")               # optional; else HETERO_VENDOR, else detected
+    import hetero_comm
+    hetero_comm.set_vendor("amd")               # optional; else HETERO_VENDOR, else detected
     dist.init_process_group(backend="hetero")   # every new_group then uses it too
 
 A group whose members share one vendor runs on the native library (gloo on the CPU,
 NCCL/RCCL on GPUs); a group spanning vendors runs hierarchical collectives (C++,
-csrc/README.md). Python decides the layout (hetero.comm.creator); C++ moves the data.
+csrc/README.md). Python decides the layout (hetero_comm.creator); C++ moves the data.
 
-Environment: HETERO_VENDOR (see hetero.comm.vendor), HETERO_COMM_CHUNK_BYTES (pipeline
+Environment: HETERO_VENDOR (see hetero_comm.vendor), HETERO_COMM_CHUNK_BYTES (pipeline
 chunk of cross-vendor collectives, default 4 MiB), HETERO_COMM_WRAP_SINGLE_VENDOR=1
 (one-vendor groups on the C++ pass-through backend even without GPUs; for tests and
 overhead benchmarks).
@@ -20,8 +20,8 @@ Unlike the rest of the ``hetero`` package, this one needs torch (and the built e
 
 import torch.distributed as dist
 
-from hetero.comm.creator import DEFAULT_CHUNK_BYTES, chunk_bytes, create_backend, describe, load_extension
-from hetero.comm.vendor import get_vendor, set_vendor
+from hetero_comm.creator import DEFAULT_CHUNK_BYTES, chunk_bytes, create_backend, describe, load_extension
+from hetero_comm.vendor import get_vendor, set_vendor
 
 BACKEND_NAME = "hetero"
 
