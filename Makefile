@@ -15,6 +15,8 @@ $(STAMP): setup.py $(wildcard csrc/*)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	# torch first and pinned: on a CPU machine this is the CPU wheel, not a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
+	# ninja: the extension's sources compile in parallel (torch's builder uses it when present)
+	$(PY) -m pip install --quiet ninja
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
 

@@ -7,8 +7,9 @@ Takes Megatron-LM's pretrain_gpt.py flags, plus --hetero-plan plan.json:
         --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters 10 \\
         --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
 
-    # four processes under a plan (uneven stages, unequal replicas, reordered ranks)
-    torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan examples/plans/demo_2xh100_2xa100.json ...
+    # four processes under a plan written by hetero-plan (uneven stages, unequal replicas,
+    # reordered ranks): the same flags, plus the plan
+    torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan plan.json ...
 
 `python -m hetero.launch plan.json -- ARGS` prints the per-node torchrun commands of a
 multi-node plan.

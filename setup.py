@@ -47,7 +47,7 @@ setup(
                                               "megatron.hetero.*"]),
     py_modules=["pretrain_gpt"],
     # Megatron-LM's flag facts, read by megatron.hetero.flags at start-up.
-    package_data={"megatron.hetero": ["megatron_lm_flags.json"]},
+    package_data={"megatron.hetero.flags": ["megatron_lm_flags.json"]},
     ext_modules=[comm_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     install_requires=[
@@ -71,8 +71,9 @@ setup(
         "tiktoken": ["tiktoken>=0.7"],
         "wandb": ["wandb>=0.16"],
         # The tests build tiny tokenizers of every kind and log to W&B offline.
+        # ...and check the import contracts of .importlinter.
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "transformers>=4.40", "tokenizers>=0.15",
-                 "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16"],
+                 "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16", "import-linter>=2.1"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

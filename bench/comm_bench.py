@@ -48,13 +48,14 @@ def worker(rounds: int, out: str) -> None:
     import torch.distributed as dist
 
     import hetero_comm  # noqa: F401  (registers the backend)
+    from hetero.env import COMM_WRAP_SINGLE_VENDOR
 
     dist.init_process_group("hetero")
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = dist.new_group(backend="gloo")
     nv = [0, 1]
     native_pair = dist.new_group(nv, backend="gloo")
-    os.environ["HETERO_COMM_WRAP_SINGLE_VENDOR"] = "1"
+    os.environ[COMM_WRAP_SINGLE_VENDOR] = "1"
     wrapped_pair = dist.new_group(nv, backend="hetero")
     rows = []
     # The bridge itself: rank 0 streams to rank 2 (one flow, nothing else running).

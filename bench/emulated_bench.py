@@ -54,12 +54,14 @@ from hetero.spec.cluster import Cluster  # noqa: E402
 from hetero.predict.costs import CostModel, TrainingSetup  # noqa: E402
 from hetero.io import write_json_atomic
 from hetero.plan import Plan  # noqa: E402
-from hetero.search.planner import Planner, PlannerOptions, _distinct  # noqa: E402
+from hetero.search.options import PlannerOptions  # noqa: E402
+from hetero.search.planner import Planner  # noqa: E402
+from hetero.search.shortlist import distinct_shapes  # noqa: E402
 from hetero.predict.predictor import Prediction, predict  # noqa: E402
 from hetero.spec.profiles import Profiles  # noqa: E402
-from hetero.report import logged_iteration_times_s, measured_timeline_png  # noqa: E402
-from megatron.hetero.log import cpu_peak_memory_mb  # noqa: E402
-from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
+from hetero.events import Memory, of_kind  # noqa: E402
+from hetero.report import measured_timeline_png  # noqa: E402
+from tools.emulator import EmulatedCluster, JobResult, RankLayout, stop_on_termination_signals  # noqa: E402
 from tools.emulator.cluster import KEEP_FREED_MEMORY_ENV  # noqa: E402
 
 CLUSTERS = REPO / "examples" / "clusters"
@@ -75,7 +77,7 @@ MEMORY_RUN_ENV = {KEEP_FREED_MEMORY_ENV: "0"}  # freed memory returned: the peak
 
 
 def model_spec():
-    from megatron.hetero.model import model_spec_of_flags
+    from megatron.hetero.startup import model_spec_of_flags
 
     return model_spec_of_flags(MODEL_FLAGS + DATA_FLAGS)
 
@@ -103,12 +105,12 @@ class Bench:
         return EmulatedCluster(cluster, layout, compute_scale=like.compute_scale, net_scale=like.net_scale,
                                reference_tflops=like.reference_tflops)
 
-    def run(self, emulated: EmulatedCluster, argv: list[str], what: str, env: dict | None = None) -> str:
+    def run(self, emulated: EmulatedCluster, argv: list[str], what: str, env: dict | None = None) -> JobResult:
         with emulated:
             result = emulated.run(argv, echo=False, env=env, timeout=1200)
         if result.returncode != 0:
             raise SystemExit(f"{what} failed (exit {result.returncode}):\n{result.output[-4000:]}")
-        return result.output
+        return result
 
     def profile(self, name: str, cluster: Cluster, tensor_parallel: tuple[int, ...] = (1,),
                 micro_batch_sizes: tuple[int, ...] = (1, 2, 4)) -> tuple[Profiles, EmulatedCluster]:
@@ -149,20 +151,20 @@ class Bench:
         trace = {"HETERO_TRACE_DIR": str(trace_dir), "HETERO_TRACE_ITERATION": str(self.iterations - 1)} if trace_dir else {}
         # One run for peak memory with freed memory returned to the OS (the job's own peak),
         # then the timed runs with it kept, as the emulator's ranks keep it by default.
-        output = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv,
-                          f"training {name} (memory run)", MEMORY_RUN_ENV)
+        memory_run = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv,
+                              f"training {name} (memory run)", MEMORY_RUN_ENV)
         stage_memory: dict[int, list[float]] = {}
-        # The line after the last iteration: the peak of the whole run (the first
-        # iteration's line comes before the optimizer state exists).
-        for (r, after), mb in cpu_peak_memory_mb(output).items():
-            if after == self.iterations:  # the peak of a stage's ranks
-                stage_memory.setdefault(plan.coords(r).pp_rank, []).append(mb * 2**20)
+        # The record after the last iteration: the peak of the whole run (the first
+        # iteration's comes before the optimizer state exists).
+        for memory in of_kind(memory_run.events, Memory):
+            if memory.iteration == self.iterations:  # the peak of a stage's ranks
+                stage_memory.setdefault(plan.coords(memory.logical_rank).pp_rank, []).append(
+                    memory.peak_mb * 2**20)
         passes = [self.bracket(self.out / name / "profile-before", cluster, plan, like)] if bracketed else []
         runs, times = [], []
         for repeat in range(1, self.repeats + 1):
-            output = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv,
-                              f"training {name} (timed run {repeat})", trace)
-            these = logged_iteration_times_s(output)
+            these = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like), argv,
+                             f"training {name} (timed run {repeat})", trace).iteration_times_s()
             runs.append(statistics.median(these[WARMUP_ITERATIONS:]))
             times.append(these)
         if bracketed:
@@ -207,7 +209,7 @@ class Bench:
         """The planner's next-best distinct layouts (other PP degree, family or micro-batch)."""
         found = sorted(planner.candidates(), key=lambda c: c.estimate_s)
         chosen, seen = [], {layout_key(p) for p in taken}
-        for candidate in _distinct(found):
+        for candidate in distinct_shapes(found):
             plan = planner.materialize(candidate, candidate.order)
             key = layout_key(plan)
             if key not in seen and predict(plan, planner.cluster, planner.costs).fits:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -35,6 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+
+from hetero.env import EVENTS_DIR, VENDOR, per_local_rank_value, launch as launch_of_this_process  # noqa: E402
+from hetero.events import Iteration, Memory, iteration_times_s, of_kind, read_events  # noqa: E402
+
 
 DEVICE_TYPE = "H100-80GB"
 MODEL_FLAGS = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -47,6 +51,13 @@ TRAIN_ITERATIONS, WARMUP = 14, 4
 TRAIN_CASES = [(1, "none"), (2, "none"), (4, "none"), (4, "full")]
 RECOMPUTE_FLAGS = {"none": [], "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                         "--recompute-num-layers", "1"]}
+
+
+def fresh_events_dir(path: Path) -> Path:
+    """An empty directory for one run's events (hetero.events): a rerun's must not mix in."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 # ----- 1. GEMM efficiency ---------------------------------------------------------------
@@ -103,7 +114,8 @@ def comm_worker() -> None:
 
     import hetero_comm
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launch = launch_of_this_process()  # set by bench_comm
+    rank, world = launch.rank, launch.world_size
     torch.cuda.set_device(0)
     dist.init_process_group(backend="hetero")
     failures, cases = [], 0
@@ -158,7 +170,7 @@ def bench_comm() -> dict:
     port, procs = free_port(), []
     for rank, vendor in enumerate(("nvidia", "amd")):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "HETERO_VENDOR": vendor}
+               "MASTER_PORT": str(port), VENDOR: vendor}
         procs.append(subprocess.Popen([sys.executable, __file__, "--comm-worker"], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -194,14 +206,15 @@ def losses_of(out: Path, name: str, plan: dict, backend: str) -> list[float]:
     path = out / f"parity_{name}.json"
     path.write_text(json.dumps(plan))
     vendors = [d["vendor"] for d in plan["devices"]]
-    env = {**os.environ, "HETERO_VENDOR": ",".join(vendors)}
+    records = fresh_events_dir(out / f"parity_{name}.events")
+    env = {**os.environ, VENDOR: per_local_rank_value(vendors, VENDOR), EVENTS_DIR: str(records)}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
             "pretrain_gpt.py", "--hetero-plan", str(path), "--distributed-backend", backend, *PARITY_FLAGS,
             *DATA_FLAGS]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     (out / f"parity_{name}.log").write_text(output)
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", output)]
+    losses = [e.losses["lm loss"] for e in of_kind(read_events(records), Iteration) if "lm loss" in e.losses]
     if result.returncode != 0 or not losses:
         print(output[-3000:])
         raise SystemExit(f"parity run {name} failed (exit {result.returncode})")
@@ -232,7 +245,7 @@ def cluster_of_one():
 
 
 def model_spec():
-    from megatron.hetero.model import model_spec_of_flags
+    from megatron.hetero.startup import model_spec_of_flags
 
     return model_spec_of_flags(MODEL_FLAGS + DATA_FLAGS)
 
@@ -243,7 +256,6 @@ def bench_train(out: Path) -> list[dict]:
     from hetero.plan import Plan
     from hetero.predict.predictor import predict
     from hetero.spec.profiles import Profiles
-    from hetero.report import logged_iteration_times_s
 
     profile_dir = out / "profiles"
     subprocess.run([sys.executable, "-m", "tools.profile_compute", "--device-type", DEVICE_TYPE, "-o", str(profile_dir),
@@ -268,16 +280,19 @@ def bench_train(out: Path) -> list[dict]:
                 *MODEL_FLAGS, *DATA_FLAGS, *RECOMPUTE_FLAGS[recompute], "--micro-batch-size", str(micro_batch),
                 "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(TRAIN_ITERATIONS), "--lr", "1e-4",
                 "--log-interval", "1", "--log-memory-interval", str(TRAIN_ITERATIONS), "--eval-iters", "0"]
-        result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+        records = fresh_events_dir(out / f"train_mb{micro_batch}_{recompute}.events")
+        result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, EVENTS_DIR: str(records)})
         output = result.stdout + result.stderr
         (out / f"train_mb{micro_batch}_{recompute}.log").write_text(output)
         if result.returncode != 0:
             print(output[-4000:])
             rows.append({"micro_batch": micro_batch, "recompute": recompute, "failed": result.returncode})
             continue
-        times = logged_iteration_times_s(output)
-        # The last memory line: the peak over every iteration (the first has no Adam state yet).
-        allocated = [float(mb) for mb in re.findall(r"max allocated: ([0-9.]+)", output)]
+        recorded = read_events(records)
+        times = iteration_times_s(recorded)
+        # The last memory record: the peak over every iteration (the first has no Adam state yet).
+        allocated = [m.max_allocated_mb for m in of_kind(recorded, Memory) if m.max_allocated_mb is not None]
         measured = statistics.median(times[WARMUP:])
         row = {"micro_batch": micro_batch, "recompute": recompute, "measured_s": measured,
                "spread": (max(times[WARMUP:]) - min(times[WARMUP:])) / measured,

@@ -29,7 +29,6 @@ sys.path.insert(0, str(REPO))
 
 from hetero.spec.cluster import Cluster  # noqa: E402
 from hetero.plan import DeviceEntry, Plan  # noqa: E402
-from hetero.report import logged_iteration_times_s  # noqa: E402
 from tools.emulator import EmulatedCluster, RankLayout, stop_on_termination_signals  # noqa: E402
 
 NODES = ("node-0", "node-1")  # InfiniBand and Ethernet: the replicas meet over Ethernet
@@ -60,7 +59,7 @@ def run_once(emulated: EmulatedCluster, plan_path: Path, flags: list[str], itera
         result = emulated.run(argv, echo=False, env=env, timeout=1200)
     if result.returncode != 0:
         raise SystemExit(f"run failed (exit {result.returncode}):\n{result.output[-4000:]}")
-    times = logged_iteration_times_s(result.output)
+    times = result.iteration_times_s()
     return {"iteration_s": statistics.median(times[WARMUP_ITERATIONS:]), "all_iterations_s": times,
             "exposed_reduction_s": exposed_reduction(trace_dir)}
 

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hetero.cli import plan_job  # noqa: E402
-from hetero.search.planner import PlannerOptions  # noqa: E402
+from hetero.search.options import PlannerOptions  # noqa: E402
 from hetero.spec.cluster import Cluster  # noqa: E402
 from hetero.spec.model import load_model  # noqa: E402
 
@@ -64,24 +64,22 @@ def main() -> int:
         job = plan_job(cluster, model, gbs, with_baseline=not args.quick, with_upper_bound=not args.quick,
                        precision=None)  # the planner picks it from the devices
         total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        info = job.plan.model_extra["prediction"]
-        provenance = job.plan.model_extra["provenance"]
         p = job.plan
-        ub = f"{info['fraction_of_upper_bound']:.1%}" if "fraction_of_upper_bound" in info else "-"
+        info, provenance, training = p.prediction, p.provenance, p.training
+        ub = f"{info.fraction_of_upper_bound:.1%}" if info.fraction_of_upper_bound is not None else "-"
         if args.quick:
             speedup = "-"
-        elif info.get("speedup_over_baseline"):
-            speedup = f"{info['speedup_over_baseline']:.2f}x"
+        elif info.speedup_over_baseline:
+            speedup = f"{info.speedup_over_baseline:.2f}x"
         else:
             speedup = "cannot fit"  # no uniform Megatron plan fits the cluster
-        training = p.model_extra["training"]
-        recompute = sorted({getattr(st, "recompute", None) or "none" for st in p.stages})
+        recompute = sorted({st.recompute_mode() or "none" for st in p.stages})
         layout = (f"TP{degrees(p)} PP{p.pipeline_parallel} DP{p.data_parallel} "
-                  f"mb{p.micro_batch_size} v{training['virtual_stages']} "
-                  f"{'SP ' if training['sequence_parallel'] else ''}recompute {'/'.join(recompute)} "
-                  f"{training['precision']} {provenance['family']}")
-        print(f"{name:16} {cluster.num_devices:7d} {model_name:11} {provenance['search_time_s']:8.2f} "
-              f"{total:8.1f} {cpu:7.1f} {info['tokens_per_s']:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
+                  f"mb{p.micro_batch_size} v{training.virtual_stages} "
+                  f"{'SP ' if training.sequence_parallel else ''}recompute {'/'.join(recompute)} "
+                  f"{training.precision} {provenance.family}")
+        print(f"{name:16} {cluster.num_devices:7d} {model_name:11} {provenance.search_time_s:8.2f} "
+              f"{total:8.1f} {cpu:7.1f} {info.tokens_per_s:11,.0f} {ub:>7} {speedup:>11}  {layout}", flush=True)
     return 0
 
 
@@ -102,11 +100,11 @@ def per_stage_tensor_parallel() -> int:
         model = load_model(model_name).with_seq_length(seq)
         jobs = [plan_job(cluster, model, gbs, PlannerOptions(per_stage_tensor_parallel=flag),
                          with_baseline=False, with_upper_bound=False, precision=None) for flag in (False, True)]
-        (one, _), (mixed, _) = [(j.plan.model_extra["prediction"]["tokens_per_s"], j) for j in jobs]
+        (one, _), (mixed, _) = [(j.plan.prediction.tokens_per_s, j) for j in jobs]
         plan = jobs[1].plan
         layers = "/".join(str(st.num_layers) for st in plan.stages)
         print(f"{name:29} {one:17,.0f} {mixed:20,.0f} {mixed / one:7.2f}x "
-              f"{plan.model_extra['provenance']['search_time_s']:8.2f}  TP{degrees(plan)} PP{plan.pipeline_parallel} "
+              f"{plan.provenance.search_time_s:8.2f}  TP{degrees(plan)} PP{plan.pipeline_parallel} "
               f"DP{plan.data_parallel} layers {layers} (one TP: TP{degrees(jobs[0].plan)} "
               f"PP{jobs[0].plan.pipeline_parallel} DP{jobs[0].plan.data_parallel})", flush=True)
     return 0

@@ -3,6 +3,7 @@
     hetero-plan --cluster C.yaml --model llama2-7b --global-batch-size 512 --seq-length 4096 \\
         [--profiles DIR] -o plan.json [--timeline plan.png]
     hetero-plan explain plan.json [--timeline plan.png] [--memory]
+    hetero-plan discover --slurm [--partition P ...] [--device-map FEATURE=NAME ...] -o cluster.yaml
 
 (also `python -m hetero ...`)
 """
@@ -11,15 +12,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from hetero.errors import HeteroError
 from hetero.jobs import explain, plan_job
 from hetero.plan import Plan
 from hetero.predict.costs import RECOMPUTE_MODES, TrainingSetup
-from hetero.report import measured_against_predicted, memory_table, summary, timeline_png
+from hetero.report import (measured_against_predicted, measured_iteration_times_s, memory_table, summary,
+                           timeline_png)
 from hetero.search.planner import PlannerOptions
+from hetero.spec import discover
 from hetero.spec.cluster import Cluster
 from hetero.spec.model import ModelSpec, load_model
 from hetero.spec.profiles import Profiles
@@ -121,7 +123,8 @@ def _explain_command(argv: Sequence[str]) -> int:
     p.add_argument("--timeline", default=None, help="draw the predicted iteration (PNG)")
     p.add_argument("--memory", action="store_true", help="per-stage memory breakdown")
     p.add_argument("--measured", default=None, metavar="LOG",
-                   help="a training log of this plan: its iteration time against the prediction")
+                   help="a training log of this plan, or its run's events directory "
+                        "(HETERO_EVENTS_DIR): its iteration time against the prediction")
     args = p.parse_args(argv)
     plan = Plan.load(args.plan)
     prediction, cluster = explain(plan, args.plan)
@@ -129,9 +132,58 @@ def _explain_command(argv: Sequence[str]) -> int:
     if args.memory:
         print(memory_table(prediction))
     if args.measured:
-        print(measured_against_predicted(Path(args.measured).read_text(), prediction.iteration_time_s))
+        print(measured_against_predicted(measured_iteration_times_s(args.measured), prediction.iteration_time_s))
     if args.timeline:
         print(f"timeline   {timeline_png(plan, prediction, args.timeline)}")
+    return 0
+
+
+def _discover_command(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="hetero-plan discover",
+        description="Write the cluster spec of the cluster itself (how each field is found: docs/slurm.md).")
+    p.add_argument("--slurm", action="store_true", required=True,
+                   help="read the Slurm cluster that scontrol/srun on PATH talk to (SLURM_CONF)")
+    p.add_argument("--partition", action="append", default=[], metavar="P",
+                   help="only nodes of these partitions (repeat; default: every partition)")
+    p.add_argument("--device-map", action="append", default=[], metavar="FEATURE=NAME",
+                   help="a node feature, GRES type or GPU name -> a catalog device, e.g. a100=A100-80GB")
+    p.add_argument("--nic", action="append", default=[], metavar="[SELECTOR=]KIND:GBPS",
+                   help="NIC of every node, or of a node, partition or feature (ib|roce|ethernet), "
+                        "instead of what the probe finds")
+    p.add_argument("--intra-link", action="append", default=[], metavar="DEVICE=LINK",
+                   help="intra-node link of a device type (default: its usual board)")
+    p.add_argument("--inter-group", default=None, metavar="KIND:GBPS",
+                   help="link between every two groups (default: ethernet at the slower node NIC)")
+    p.add_argument("--group-by", choices=discover.GROUP_RULES, default="auto",
+                   help="auto: Slurm's topology where it has one, else partition")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="for nodes without a gpu GRES whose probe saw no GPU")
+    p.add_argument("--no-probe", action="store_true", help="run nothing on the nodes (NICs: --nic or default)")
+    p.add_argument("--probe-timeout", type=float, default=120.0, help="seconds to wait for each node's probe")
+    p.add_argument("--name", default=None, help="cluster name (default: Slurm's ClusterName)")
+    p.add_argument("-o", "--output", default=None, help="cluster.yaml to write (default: print it)")
+    args = p.parse_args(argv)
+    inter = discover.parse_nic(args.inter_group)[1] if args.inter_group else None
+    options = discover.DiscoverOptions(
+        partitions=args.partition,
+        device_map=dict(discover.parse_mapping("--device-map", m) for m in args.device_map),
+        nics=dict(discover.parse_nic(n) for n in args.nic),
+        intra_links=dict(discover.parse_mapping("--intra-link", m) for m in args.intra_link),
+        inter_group=inter, gpus_per_node=args.gpus_per_node, group_by=args.group_by,
+        probe=not args.no_probe, probe_timeout_s=args.probe_timeout, name=args.name)
+    found = discover.discover_slurm(options)
+    text = discover.spec_yaml(found, " ".join(["hetero-plan discover", *argv]))
+    for line in found.table:
+        print(line, file=sys.stderr)
+    for note in found.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+        print(f"hetero-plan discover: wrote {args.output} ({len(found.table) - 1} nodes)", file=sys.stderr)
+    else:
+        print(text, end="")
     return 0
 
 
@@ -140,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] == "explain":
             return _explain_command(argv[1:])
+        if argv and argv[0] == "discover":
+            return _discover_command(argv[1:])
         return _plan_command(argv)
     except HeteroError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,13 +11,14 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from hetero.errors import HeteroError
+from hetero.errors import HeteroError, PlanError
 from hetero.plan import Plan
 from hetero.predict.costs import CostModel, TrainingSetup
 from hetero.predict.predictor import Prediction, predict
+from hetero.record import ModelRecord, PredictionRecord, ProvenanceRecord, TrainingRecord
 from hetero.search.baseline import megatron_baseline, upper_bound
 from hetero.search.planner import Planner, PlannerOptions
-from hetero.spec.cluster import Cluster
+from hetero.spec.cluster import Cluster, ClusterSpec
 from hetero.spec.model import ModelSpec
 from hetero.spec.profiles import Profiles
 
@@ -97,14 +98,13 @@ def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
             devices = devices.keep(sorted({d.device_type for d in result.plan.devices}))
     searched, estimated = result.search_time_s, result.candidates_estimated
     plan, prediction, family, setup = result.plan, result.prediction, result.family, result.setup
-    info = {}
     baseline = None
     if with_baseline:
         baseline = megatron_baseline(devices, model, global_batch_size, options, profiles)
         if baseline and baseline.prediction.iteration_time_s < prediction.iteration_time_s:
             plan, prediction, setup = baseline.plan, baseline.prediction, baseline.setup
             family = "Megatron baseline (every planned layout was predicted slower)"
-    info.update(prediction.to_dict())
+    info = prediction.to_dict()
     if with_upper_bound:
         bound = upper_bound(devices, model, global_batch_size, options, profiles)
         info["upper_bound"] = bound.to_dict()
@@ -114,23 +114,24 @@ def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
         if baseline:
             info["speedup_over_baseline"] = round(
                 baseline.prediction.iteration_time_s / prediction.iteration_time_s, 4)
-    extra = {
-        "model": model.to_dict(),
-        "training": {"global_batch_size": global_batch_size, "seq_length": model.seq_length,
-                     **setup.to_dict(), "precision_reason": why},
-        "cluster": devices.to_dict(),
-        "prediction": info,
-        "provenance": {
-            "tool": f"hetero-plan {VERSION}",
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "family": family,
-            "search_time_s": round(searched, 3),
-            "total_time_s": round(time.perf_counter() - start, 3),
-            "candidates_estimated": estimated,
-            "profiles": profiles_source,
-        },
-    }
-    plan = Plan.from_dict({**plan.to_dict(), **extra})
+    recorded = plan.model_copy(update={
+        "model": ModelRecord.of(model),
+        "training": TrainingRecord(global_batch_size=global_batch_size, seq_length=model.seq_length,
+                                   **setup.to_dict(), precision_reason=why),
+        "cluster": ClusterSpec.model_validate(devices.to_dict()),
+        "prediction": PredictionRecord.model_validate(info),
+        "provenance": ProvenanceRecord(
+            tool=f"hetero-plan {VERSION}",
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            family=family,
+            search_time_s=round(searched, 3),
+            total_time_s=round(time.perf_counter() - start, 3),
+            candidates_estimated=estimated,
+            profiles=profiles_source,
+        ),
+    })
+    # Read back as pretrain_gpt.py and explain will: what hetero-plan writes, it can load.
+    plan = Plan.from_dict(recorded.to_dict(), source="the plan made")
     return PlannedJob(plan, prediction, devices)
 
 
@@ -146,15 +147,14 @@ class RecordedJob:
 
     @classmethod
     def of(cls, plan: Plan, source: str) -> "RecordedJob":
-        extra = plan.model_extra
-        missing = [k for k in ("cluster", "model", "training") if k not in extra]
+        missing = [name for name in ("cluster", "model", "training") if getattr(plan, name) is None]
         if missing:
-            raise HeteroError(f"{source} has no {', '.join(missing)} section; a plan written by "
-                              "hetero-plan records them")
-        setup = TrainingSetup.from_dict(extra["training"])
-        profiles_source = extra.get("provenance", {}).get("profiles")
-        return cls(Cluster.from_dict(extra["cluster"], f"{source}: cluster"), ModelSpec(**extra["model"]),
-                   setup, Profiles.load_dir(profiles_source) if profiles_source else None, profiles_source)
+            raise PlanError(f"{source} has no {', '.join(missing)} section; a plan written by "
+                            "hetero-plan records them")
+        profiles_source = plan.provenance.profiles if plan.provenance is not None else None
+        return cls(Cluster(plan.cluster, f"{source}: cluster"), plan.model.spec(),
+                   TrainingSetup(**plan.training.setup_fields()),
+                   Profiles.load_dir(profiles_source) if profiles_source else None, profiles_source)
 
 
 def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:

@@ -1,53 +1,19 @@
 """The plan file (plan.json, version 3): how one training job is laid out on a cluster.
 
-A plan fixes the parallel degrees, how many decoder layers each pipeline stage holds, how
-many micro-batches each data-parallel replica runs per iteration, and which launched
-process plays which Megatron rank:
+A plan fixes the parallel degrees (a tensor-parallel degree per stage from version 3), how
+many decoder layers each pipeline stage holds (split into interleaved virtual stages, and
+recomputed per stage, from version 2), how many micro-batches each data-parallel replica
+runs per iteration, and which launched process plays which Megatron rank. Logical rank i
+follows Megatron's order (tensor fastest, then data, then pipeline; ``Plan.rank_at``), and
+launch rank ``rank_order[i]`` (torchrun's RANK, on ``devices[rank_order[i]]``) runs it.
 
-- Logical ranks follow Megatron's default order (tensor fastest, then data, then
-  pipeline): tensor rank t of replica d in stage s is logical rank ``t + tp*(d + dp*s)``.
-  With a tensor-parallel degree per stage (version 3) stage s holds ``dp * tp_s`` ranks
-  after those of the stages before it: logical rank ``offset_s + t + tp_s*d``.
-- ``rank_order[i]`` is the launch rank (torchrun's RANK) that runs logical rank i.
-- ``devices[r]`` says what launch rank r is (host, device type, vendor, NIC).
-
-Version 2 adds two optional per-stage fields (a version 1 plan is a valid version 2 plan):
-
-- ``stages[s].recompute``: this stage's activation recomputation, overriding the
-  ``--recompute-*`` flags for it: ``"selective"``, ``"none"`` (keep every activation), or
-  ``{"granularity": "full", "method": "uniform"|"block", "num_layers": N}`` /
-  ``{"granularity": "selective", "modules": ["core_attn", ...]}``. A stage on a small
-  device recomputes while one on a large device keeps its activations. With method
-  "uniform", num_layers must divide the stage's layers (each virtual stage's): megatron-core
-  checkpoints whole groups of that many layers.
-- ``stages[s].virtual_stages``: the interleaved (virtual-pipeline) schedule. Pipeline rank s
-  holds len(virtual_stages) model chunks with these decoder-layer counts, in model order:
-  chunk v of rank s is virtual stage ``v*pp + s`` of the model (megatron-core's order), so
-  ``[3, 2]`` on rank 0 and ``[2, 1]`` on rank 1 of a PP=2 plan builds the model as
-  3 | 2 | 2 | 1 layers. ``num_layers`` is their sum. Either every stage gives it, with the
-  same count of chunks (at least 2), or none does.
-
-What megatron-core 0.16.1's interleaved schedule requires, and the planner must respect
-(``forward_backward_pipelining_with_interleaving``; checked here with a clear error):
-
-- pipeline_parallel >= 2 (the interleaved schedule is the pipelined one);
-- every replica runs at least ``pipeline_parallel`` micro-batches, and a multiple of
-  ``pipeline_parallel``: the schedule runs micro-batches in groups of
-  ``microbatch_group_size_per_vp_stage`` (default: the pipeline size) and refuses a last
-  group with fewer than ``pipeline_parallel`` micro-batches (it would stall the pipeline);
-  with the default group size the remainder must therefore be 0. Replicas may still run
-  different counts (e.g. 6 and 2 with PP=2);
-- (this release, not megatron-core) every virtual stage holds at least one decoder layer.
-Megatron-LM additionally needs PP > 2 unless pipeline communication is overlapped
-(``--no-overlap-p2p-communication`` with PP=2 is refused at start-up, as Megatron-LM does).
-
-Version 3 adds ``stages[s].tensor_parallel``: this stage's tensor-parallel degree (default:
-the job's ``tensor_parallel``). Replicas of one stage share it, so the world size is
-``data_parallel x sum(stage TP)``; a stage on small devices shards wider while one on large
-devices runs whole. Stage-to-stage transfers between stages of different degrees are
-re-sharded at run time (megatron/hetero/stage_transfer.py).
-
-Fields this module does not know (predictions, provenance) are kept as they are.
+docs/plan-format.md is the reference: every field, the versions, the rank arithmetic and
+megatron-core's constraints on the interleaved schedule. The entries of the lists (stages,
+replicas, devices) are in hetero/plan_entries.py. A plan written by hetero-plan also carries
+the job record (``model``, ``training``, ``cluster``, ``prediction``, ``provenance``:
+hetero/record.py). Unknown top-level keys are kept and written back unchanged. Counts are
+bounded (MAX_COUNT) and compared with the lists they size before anything is built from
+them, so a malformed file gets a PlanError naming the field, never a MemoryError.
 """
 
 from __future__ import annotations
@@ -56,77 +22,20 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Annotated, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hetero.balance import split_in_proportion
 from hetero.errors import PlanError
 from hetero.io import describe_validation_error, write_json_atomic
+from hetero.plan_entries import (DeviceEntry, RecomputeEntry, ReplicaEntry, StageEntry, cluster_problems,
+                                 virtual_stage_problems)
+from hetero.record import (SECTIONS, ClusterSection, Count, ModelRecord, PredictionRecord, ProvenanceRecord,
+                           TrainingRecord)
 
 PLAN_VERSION = 3
 SUPPORTED_VERSIONS = (1, 2, 3)
-
-
-class _Entry(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class RecomputeEntry(BaseModel):
-    """One stage's activation recomputation (megatron-core's TransformerConfig fields)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    granularity: Literal["full", "selective"]
-    method: Literal["uniform", "block"] | None = None
-    num_layers: int | None = Field(default=None, ge=1)
-    modules: list[str] | None = Field(default=None, description="selective: what to recompute")
-
-    @model_validator(mode="after")
-    def _check_fields(self) -> "RecomputeEntry":
-        if self.granularity == "full" and (self.method is None or self.num_layers is None):
-            raise ValueError('full recomputation needs "method" (uniform or block) and "num_layers"')
-        if self.granularity == "selective" and (self.method is not None or self.num_layers is not None):
-            raise ValueError('selective recomputation takes no "method" or "num_layers" (only "modules")')
-        return self
-
-
-class StageEntry(_Entry):
-    num_layers: int = Field(ge=1, description="decoder layers this pipeline stage builds")
-    tensor_parallel: int | None = Field(
-        default=None, ge=1, description="version 3: this stage's tensor-parallel degree (default: the job's)")
-    recompute: Literal["selective", "none"] | RecomputeEntry | None = Field(
-        default=None, description="version 2: this stage's recomputation, overriding the flags")
-    virtual_stages: list[int] | None = Field(
-        default=None, min_length=2,
-        description="version 2: decoder layers of each model chunk (virtual stage) of this rank")
-
-    def recompute_mode(self) -> Literal["none", "selective", "full"] | None:
-        """What the cost model needs of recompute_setting: the mode (None: the flags')."""
-        setting = self.recompute_setting()
-        if setting == "flags":
-            return None
-        return "none" if setting is None else setting.granularity
-
-    def recompute_setting(self) -> RecomputeEntry | None | Literal["flags"]:
-        """The stage's own setting: a RecomputeEntry, None (no recomputation), or "flags"."""
-        if self.recompute is None:
-            return "flags"
-        if self.recompute == "none":
-            return None
-        if self.recompute == "selective":
-            return RecomputeEntry(granularity="selective")
-        return self.recompute
-
-
-class ReplicaEntry(_Entry):
-    num_micro_batches: int = Field(ge=1, description="micro-batches per iteration")
-
-
-class DeviceEntry(_Entry):
-    host: str = Field(min_length=1, description="node the launch rank runs on")
-    device_type: str = Field(min_length=1, description="catalog name, e.g. A100-40GB, or cpu")
-    vendor: str = Field(min_length=1, description="nvidia, amd, cpu, ...")
-    nic: str | None = Field(default=None, description="network card type: ib, roce, ethernet")
 
 
 @dataclass(frozen=True)
@@ -144,14 +53,20 @@ class Plan(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     version: Literal[1, 2, 3]
-    tensor_parallel: int = Field(ge=1)
-    pipeline_parallel: int = Field(ge=1)
-    data_parallel: int = Field(ge=1)
-    micro_batch_size: int = Field(ge=1)
+    tensor_parallel: Count
+    pipeline_parallel: Count
+    data_parallel: Count
+    micro_batch_size: Count
     stages: list[StageEntry] = Field(min_length=1)
     replicas: list[ReplicaEntry] = Field(min_length=1)
-    rank_order: list[int]
+    rank_order: list[Annotated[int, Field(strict=True)]]
     devices: list[DeviceEntry]
+    # The job record (hetero/record.py): written by hetero-plan, absent from hand-written plans.
+    model: ModelRecord | None = None
+    training: TrainingRecord | None = None
+    cluster: ClusterSection | None = None
+    prediction: PredictionRecord | None = None
+    provenance: ProvenanceRecord | None = None
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Plan":
@@ -173,10 +88,12 @@ class Plan(BaseModel):
             problems.append(
                 f"devices has {len(self.devices)} entries but {grid} = {world}: give one entry per launch rank"
             )
-        if sorted(self.rank_order) != list(range(world)):
+        # Lengths first: range(world) is built only once the file holds world entries.
+        if len(self.rank_order) != world or sorted(self.rank_order) != list(range(world)):
+            shown = self.rank_order if len(self.rank_order) <= 64 else f"{len(self.rank_order)} entries"
             problems.append(
                 f"rank_order must be a permutation of 0..{world - 1} (one launch rank per "
-                f"logical rank, each used once); got {self.rank_order}"
+                f"logical rank, each used once); got {shown}"
             )
         hosts_seen: list[str] = []
         for device in self.devices:
@@ -189,7 +106,9 @@ class Plan(BaseModel):
                     )
                     break
                 hosts_seen.append(device.host)
-        problems += self._virtual_stage_problems()
+        problems += virtual_stage_problems(self.stages, self.replicas, self.pipeline_parallel)
+        if self.cluster is not None:
+            problems += cluster_problems(self.devices, self.cluster)
         for index, stage in enumerate(self.stages):
             entry = stage.recompute
             if isinstance(entry, RecomputeEntry) and entry.method == "uniform":
@@ -213,38 +132,6 @@ class Plan(BaseModel):
             raise ValueError("; ".join(problems))
         return self
 
-    def _virtual_stage_problems(self) -> list[str]:
-        """megatron-core 0.16.1's interleaved-schedule constraints (see the module docstring)."""
-        given = [stage.virtual_stages for stage in self.stages]
-        if all(v is None for v in given):
-            return []
-        if any(v is None for v in given) or len({len(v) for v in given}) != 1:
-            return ["virtual_stages must be given for every stage, with the same number of "
-                    "virtual stages on each (megatron-core gives every pipeline rank as many "
-                    f"model chunks); got {given}"]
-        problems = []
-        for index, stage in enumerate(self.stages):
-            if min(stage.virtual_stages) < 1:
-                problems.append(f"stages[{index}].virtual_stages {stage.virtual_stages}: every "
-                                "virtual stage needs at least one decoder layer")
-            if sum(stage.virtual_stages) != stage.num_layers:
-                problems.append(f"stages[{index}].virtual_stages {stage.virtual_stages} sum to "
-                                f"{sum(stage.virtual_stages)}, not num_layers {stage.num_layers}")
-        pp = self.pipeline_parallel
-        if pp < 2:
-            problems.append("virtual_stages need pipeline_parallel >= 2 (the interleaved schedule "
-                            "is a pipeline schedule)")
-            return problems
-        wrong = [f"replica {d}: {r.num_micro_batches}" for d, r in enumerate(self.replicas)
-                 if r.num_micro_batches < pp or r.num_micro_batches % pp]
-        if wrong:
-            problems.append(
-                f"the interleaved schedule runs micro-batches in groups of pipeline_parallel "
-                f"({pp}) and megatron-core 0.16.1 refuses a smaller last group: every replica's "
-                f"num_micro_batches must be a positive multiple of {pp} ({'; '.join(wrong)}); "
-                "move micro-batches between replicas or drop virtual_stages")
-        return problems
-
     # ----- loading and saving -------------------------------------------------------
 
     @classmethod
@@ -252,7 +139,7 @@ class Plan(BaseModel):
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan is a JSON object, got {type(data).__name__}")
         version = data.get("version")
-        if version is not None and version not in SUPPORTED_VERSIONS:
+        if version is not None and (isinstance(version, bool) or version not in SUPPORTED_VERSIONS):
             raise PlanError(
                 f"{source}: plan version {version!r} is not supported by this release "
                 f"(it reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); regenerate the "
@@ -275,6 +162,8 @@ class Plan(BaseModel):
             text = path.read_text()
         except FileNotFoundError:
             raise PlanError(f"plan file {path} does not exist; pass the path hetero-plan wrote") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise PlanError(f"plan file {path} cannot be read as text: {err}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -282,10 +171,19 @@ class Plan(BaseModel):
                 f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
                 "fix the file or regenerate it with hetero-plan"
             ) from None
+        except (ValueError, RecursionError) as err:  # a number of 4300+ digits; nesting too deep
+            raise PlanError(f"{path} cannot be read as a plan: {err}; regenerate it with hetero-plan") from None
         return cls.from_dict(data, source=str(path))
 
     def to_dict(self) -> dict:
-        return self.model_dump(mode="json", exclude_none=True)
+        """plan.json's content: layout fields without nulls, the record as given, unknown keys last."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude=set(SECTIONS))
+        unknown = {key: data.pop(key) for key in self.model_extra or {} if key in data}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if section is not None:
+                data[name] = section.model_dump(mode="json", exclude_unset=True)
+        return {**data, **unknown}
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the plan atomically (a reader never sees half a file)."""
@@ -395,12 +293,7 @@ class Plan(BaseModel):
             )
         total = global_batch_size // self.micro_batch_size
         weights = [replica.num_micro_batches for replica in self.replicas]
-        quotas = [total * w for w in weights]  # in units of 1/sum(weights)
-        counts = [q // self.num_micro_batches for q in quotas]
-        by_remainder = sorted(range(len(weights)),
-                              key=lambda d: (-(quotas[d] % self.num_micro_batches), d))
-        for d in by_remainder[: total - sum(counts)]:
-            counts[d] += 1
+        counts = split_in_proportion(total, weights)
         if min(counts) == 0:
             raise PlanError(
                 f"a global batch of {global_batch_size} samples ({total} micro-batches) leaves "

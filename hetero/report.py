@@ -6,7 +6,10 @@ import re
 import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 
+from hetero.errors import HeteroError
+from hetero.events import iteration_times_s, read_events
 from hetero.spec.cluster import Cluster
 from hetero.predict.memory import GIB
 from hetero.plan import Plan
@@ -15,7 +18,7 @@ from hetero.predict.predictor import Prediction
 
 def _replica_groups(plan: Plan) -> list[tuple[int, str, int]]:
     """(count, devices, micro-batches) of identical replicas, in order of appearance."""
-    keys = [(" + ".join(r.model_extra.get("device_types", ["?"])), r.num_micro_batches) for r in plan.replicas]
+    keys = [(" + ".join(r.device_types or ["?"]), r.num_micro_batches) for r in plan.replicas]
     counts = Counter(keys)
     seen, out = set(), []
     for key in keys:
@@ -26,28 +29,27 @@ def _replica_groups(plan: Plan) -> list[tuple[int, str, int]]:
 
 
 def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) -> str:
-    info = plan.model_extra.get("prediction", {})
-    training = plan.model_extra.get("training", {})
+    info, training, provenance = plan.prediction, plan.training, plan.provenance
     lines = [title, f"cluster    {cluster.describe()}"]
-    if training:
+    if training is not None:
         lines.append(
-            f"training   global batch {plan.global_batch_size} x sequence {training.get('seq_length')}, "
-            f"{training.get('precision')}, distributed optimizer "
-            f"{'on' if training.get('distributed_optimizer') else 'off'}, sequence parallel "
-            f"{'on' if training.get('sequence_parallel') else 'off'}, "
-            f"{training.get('virtual_stages', 1)} virtual stage(s) per stage"
+            f"training   global batch {plan.global_batch_size} x sequence {training.seq_length}, "
+            f"{training.precision}, distributed optimizer "
+            f"{'on' if training.distributed_optimizer else 'off'}, sequence parallel "
+            f"{'on' if training.sequence_parallel else 'off'}, "
+            f"{training.virtual_stages} virtual stage(s) per stage"
         )
-        if training.get("precision_reason"):
-            lines.append(f"precision  {training['precision_reason']}")
-    family = plan.model_extra.get("provenance", {}).get("family")
+        if training.precision_reason:
+            lines.append(f"precision  {training.precision_reason}")
+    family = provenance.family if provenance is not None else None
     lines.append(
         f"layout     TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel}, "
         f"micro-batch {plan.micro_batch_size}" + (f", {family} replicas" if family else "")
     )
     lines.append("stages     stage  layers  recompute  devices")
     for s, stage in enumerate(plan.stages):
-        devices = ", ".join(stage.model_extra.get("device_types", []))
-        recompute = getattr(stage, "recompute", None) or training.get("recompute", "none")
+        devices = ", ".join(stage.device_types or [])
+        recompute = stage.recompute_mode() or (training.recompute if training is not None else "none")
         lines.append(f"           {s:5d}  {stage.num_layers:6d}  {recompute:9s}  {devices}")
     lines.append("replicas   count  micro-batches  devices")
     for count, devices, micro in _replica_groups(plan):
@@ -68,24 +70,24 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
             lines.append(f"           {device_type:18s} {count:6d} {0:5d}  (not used)")
     line = (f"predicted  iteration {prediction.iteration_time_s:.3f} s | "
             f"{prediction.tokens_per_s:,.0f} tokens/s")
-    if "upper_bound" in info:
-        line += (f" | {info['fraction_of_upper_bound']:.1%} of the upper bound "
-                 f"({info['upper_bound']['tokens_per_s']:,.0f} tokens/s)")
+    if info is not None and info.upper_bound is not None:
+        line += (f" | {info.fraction_of_upper_bound:.1%} of the upper bound "
+                 f"({info.upper_bound.tokens_per_s:,.0f} tokens/s)")
     lines.append(line)
-    baseline = info.get("baseline")
-    if baseline:
+    baseline = info.baseline if info is not None else None
+    if baseline is not None:
         lines.append(
-            f"baseline   Megatron TP={baseline['tensor_parallel']} PP={baseline['pipeline_parallel']} "
-            f"DP={baseline['data_parallel']} micro-batch {baseline['micro_batch_size']} on "
-            f"{baseline['devices']}: {baseline['iteration_time_s']:.3f} s, "
-            f"{baseline['tokens_per_s']:,.0f} tokens/s -> speed-up {info['speedup_over_baseline']:.2f}x"
+            f"baseline   Megatron TP={baseline.tensor_parallel} PP={baseline.pipeline_parallel} "
+            f"DP={baseline.data_parallel} micro-batch {baseline.micro_batch_size} on "
+            f"{baseline.devices}: {baseline.iteration_time_s:.3f} s, "
+            f"{baseline.tokens_per_s:,.0f} tokens/s -> speed-up {info.speedup_over_baseline:.2f}x"
         )
-    elif "baseline" in info:
+    elif info is not None and "baseline" in info.model_fields_set:
         lines.append("baseline   no uniform Megatron plan fits this cluster")
-    provenance = plan.model_extra.get("provenance", {})
-    if "search_time_s" in provenance:
-        lines.append(f"search     {provenance['search_time_s']:.2f} s, "
-                     f"{provenance['candidates_estimated']} candidates estimated")
+    if provenance is not None and provenance.search_time_s is not None:
+        candidates = provenance.candidates_estimated
+        lines.append(f"search     {provenance.search_time_s:.2f} s"
+                     + (f", {candidates} candidates estimated" if candidates is not None else ""))
     if prediction.problems:
         lines.append("memory     DOES NOT FIT: " + "; ".join(prediction.problems[:4]))
     return "\n".join(lines)
@@ -186,6 +188,8 @@ def measured_timeline_png(plan: Plan, prediction: Prediction, traces: list[dict]
     return _save(fig, path, height)
 
 
+# Megatron-LM's iteration line, for a log someone hands us (Megatron-LM's own included);
+# a run of ours is read from its events (hetero.events), not from its log.
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
@@ -195,10 +199,22 @@ def logged_iteration_times_s(log: str) -> list[float]:
     return [float(ms) / 1e3 for ms in _ELAPSED.findall(log)]
 
 
-def measured_against_predicted(log: str, prediction_s: float) -> str:
+def measured_iteration_times_s(source: str | Path) -> list[float]:
+    """A run's logged iteration times: from its events directory (HETERO_EVENTS_DIR), or
+    parsed from its log file."""
+    path = Path(source)
+    if path.is_dir():
+        return iteration_times_s(read_events(path))
+    if not path.is_file():
+        raise HeteroError(f"{source} does not exist; give a training log, or the run's events "
+                          "directory (HETERO_EVENTS_DIR)")
+    return logged_iteration_times_s(path.read_text(errors="replace"))
+
+
+def measured_against_predicted(times_s: Sequence[float], prediction_s: float) -> str:
     """The median logged iteration time after the first log line (start-up and the first
     allocations) against the prediction."""
-    times = logged_iteration_times_s(log)[1:]
+    times = list(times_s)[1:]
     if not times:
         return "measured   no iteration time logged after the first log line"
     measured = statistics.median(times)

@@ -10,10 +10,10 @@ A group whose members share one vendor runs on the native library (gloo on the C
 NCCL/RCCL on GPUs); a group spanning vendors runs hierarchical collectives (C++,
 csrc/README.md). Python decides the layout (hetero_comm.creator); C++ moves the data.
 
-Environment: HETERO_VENDOR (see hetero_comm.vendor), HETERO_COMM_CHUNK_BYTES (pipeline
-chunk of cross-vendor collectives, default 4 MiB), HETERO_COMM_WRAP_SINGLE_VENDOR=1
-(one-vendor groups on the C++ pass-through backend even without GPUs; for tests and
-overhead benchmarks).
+Environment (parsed in hetero.env): HETERO_VENDOR (see hetero_comm.vendor),
+HETERO_COMM_CHUNK_BYTES (pipeline chunk of cross-vendor collectives, default 4 MiB),
+HETERO_COMM_WRAP_SINGLE_VENDOR=1 (one-vendor groups on the C++ pass-through backend even
+without GPUs; for tests and overhead benchmarks).
 
 Unlike the rest of the ``hetero`` package, this one needs torch (and the built extension).
 """

@@ -14,15 +14,15 @@ other's, so every member reaches the same layout without a collective:
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from hetero import env
 from hetero_comm.vendor import get_vendor
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = env.DEFAULT_COMM_CHUNK_BYTES
 
 # group name -> what create_backend decided, for describe()
 _layouts: dict[str, dict] = {}
@@ -30,22 +30,13 @@ _layouts: dict[str, dict] = {}
 
 def chunk_bytes() -> int:
     """Pipeline chunk of the cross-vendor collectives: HETERO_COMM_CHUNK_BYTES (default 4 MiB)."""
-    value = os.environ.get("HETERO_COMM_CHUNK_BYTES", "").strip()
-    if not value:
-        return DEFAULT_CHUNK_BYTES
-    try:
-        parsed = int(value)
-    except ValueError:
-        parsed = 0
-    if parsed < 1:
-        raise ValueError(f"HETERO_COMM_CHUNK_BYTES={value!r}: give a positive number of bytes")
-    return parsed
+    return env.comm_chunk_bytes()
 
 
 def _wrap_single_vendor() -> bool:
     """HETERO_COMM_WRAP_SINGLE_VENDOR=1: one-vendor groups get the C++ pass-through backend
     even without GPUs (to test it, or to measure its overhead against plain gloo)."""
-    return os.environ.get("HETERO_COMM_WRAP_SINGLE_VENDOR", "0") not in ("", "0")
+    return env.comm_wrap_single_vendor()
 
 
 def load_extension():

@@ -12,9 +12,9 @@ CPU); ranks of different vendors through the bridge. The vendor is, first found 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from hetero import env
 
 _vendor: str | None = None
 
@@ -32,19 +32,8 @@ def set_vendor(vendor: str | None) -> None:
 
 
 def vendor_from_env() -> str | None:
-    value = os.environ.get("HETERO_VENDOR", "").strip()
-    if not value:
-        return None
-    names = [v.strip() for v in value.split(",")]
-    if len(names) == 1:
-        return _normalize(names[0])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= len(names):
-        raise ValueError(
-            f"HETERO_VENDOR={value} lists {len(names)} vendors but LOCAL_RANK is {local_rank}; "
-            "give one entry per local rank"
-        )
-    return _normalize(names[local_rank])
+    """HETERO_VENDOR's entry for this local rank (hetero.env), lower case; None when unset."""
+    return env.vendor()
 
 
 def get_vendor() -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -14,10 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
+
+from hetero.env import EVENTS_DIR
+from hetero.events import Event, Iteration, Memory, of_kind, read_events
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,7 +44,18 @@ TRAINING = [
     "--seed", "1234", "--log-params-norm",
 ]
 
-_ITERATION = re.compile(r"^ \[[^]]+\] iteration\s+(\d+)/\s*\d+ \|(.*)$", re.MULTILINE)
+# An iteration line's figures, by the name the line gives them, as Iteration events hold
+# them; any other name is one of the line's losses ("lm loss", "load_balancing_loss", ...).
+_ITERATION_FIGURES = {"learning rate": "learning_rate", "params norm": "params_norm", "grad norm": "grad_norm",
+                      "loss scale": "loss_scale", "global batch size": "global_batch_size",
+                      "consumed samples": "consumed_samples", "tokens per second": "tokens_per_s"}
+
+
+def iteration_figure(event: Iteration, name: str) -> float:
+    attribute = _ITERATION_FIGURES.get(name)
+    value = getattr(event, attribute) if attribute else event.losses.get(name)
+    assert value is not None, f"iteration {event.iteration} recorded no {name!r}"
+    return value
 
 
 @dataclass
@@ -49,19 +63,50 @@ class RunResult:
     returncode: int
     stdout: str
     stderr: str
+    events: list[Event] = field(default_factory=list)  # what the job recorded (hetero.events)
 
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
 
-    def series(self, field: str) -> list[float]:
-        """One field of every iteration line (log interval 1), in order."""
-        lines = _ITERATION.findall(self.stdout)
-        assert [int(i) for i, _ in lines] == list(range(1, len(lines) + 1)), self.output[-3000:]
-        return [float(re.search(rf" {field}: ([0-9.E+-]+) \|", rest).group(1)) for _, rest in lines]
+    def series(self, name: str) -> list[float]:
+        """One figure of every logged iteration (log interval 1), in order: "lm loss",
+        "params norm", "learning rate", ... (the names of Megatron's iteration line)."""
+        iterations = of_kind(self.events, Iteration)
+        assert [e.iteration for e in iterations] == list(range(1, len(iterations) + 1)), self.output[-3000:]
+        return [iteration_figure(e, name) for e in iterations]
 
     def losses(self) -> list[float]:
         return self.series("lm loss")
+
+    def iteration_losses(self, name: str = "lm loss") -> dict[int, float]:
+        """iteration -> its logged loss (a resumed run starts past 1)."""
+        return {e.iteration: iteration_figure(e, name) for e in of_kind(self.events, Iteration)}
+
+    def peak_memory_mb(self) -> dict[tuple[int, int], float]:
+        """(logical rank, iteration) -> the job's own peak memory (MB) of every rank that
+        reports it (one per stage): max allocated, or on the CPU max rss less mapped files."""
+        return {(m.logical_rank, m.iteration): m.peak_mb for m in of_kind(self.events, Memory)}
+
+
+def _events_dir(env: dict) -> tuple[str, bool]:
+    """The job's events directory: the one the test gives (HETERO_EVENTS_DIR in env), else a
+    fresh temporary one (True: to remove once read); never the suite's own environment's,
+    which every job would share."""
+    if env.get(EVENTS_DIR):
+        return env[EVENTS_DIR], False
+    return tempfile.mkdtemp(prefix="hetero-events."), True
+
+
+def _with_events(run: Callable[[], RunResult], directory: str, own: bool) -> RunResult:
+    """run(), and the events its job wrote in directory."""
+    try:
+        result = run()
+        result.events = read_events(directory)
+        return result
+    finally:
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def cpu_devices(n: int, host: str = "localhost") -> list[dict]:
@@ -167,12 +212,15 @@ def run_pretrain(
         plan_path.write_text(json.dumps(plan))
         args += ["--hetero-plan", str(plan_path)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(variable, None)
+    events_dir, own_events = _events_dir(env or {})
+    full_env[EVENTS_DIR] = events_dir
     if launcher == "fork" and script == REPO / "pretrain_gpt.py":
         if _job_server is None:
             _job_server = JobServer()
-        return _job_server.run(nproc, args, full_env, timeout)
+        server = _job_server
+        return _with_events(lambda: server.run(nproc, args, full_env, timeout), events_dir, own_events)
     if nproc == 1:
         command = [sys.executable, str(script), *args]
     else:
@@ -180,20 +228,22 @@ def run_pretrain(
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", str(script), *args,
         ]
-    proc = subprocess.run(
-        command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
-    return RunResult(proc.returncode, proc.stdout, proc.stderr)
+
+    def run() -> RunResult:
+        proc = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        return RunResult(proc.returncode, proc.stdout, proc.stderr)
+
+    return _with_events(run, events_dir, own_events)
 
 
 def assert_same_training(reference: RunResult, candidate: RunResult, rtol: float = 1e-4) -> None:
     """Same lm loss and params norm at every iteration, up to rtol (relative)."""
     assert candidate.returncode == 0, candidate.output[-3000:]
-    for field in ("lm loss", "params norm"):
-        ref, got = reference.series(field), candidate.series(field)
-        assert len(ref) == len(got) > 0, (field, ref, got)
+    for name in ("lm loss", "params norm"):
+        ref, got = reference.series(name), candidate.series(name)
+        assert len(ref) == len(got) > 0, (name, ref, got)
         for i, (a, b) in enumerate(zip(ref, got), start=1):
-            assert abs(a - b) <= rtol * abs(a), f"{field} at iteration {i}: {a} vs {b} ({ref} vs {got})"
+            assert abs(a - b) <= rtol * abs(a), f"{name} at iteration {i}: {a} vs {b} ({ref} vs {got})"
 
 
 def _reference(model: list[str]) -> RunResult:
@@ -255,8 +305,12 @@ class LiveJob:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", str(REPO / "pretrain_gpt.py"), *args]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             full_env.pop(variable, None)
+        self.events_dir, own_events = _events_dir(env or {})
+        full_env[EVENTS_DIR] = self.events_dir
+        if own_events:
+            atexit.register(shutil.rmtree, self.events_dir, ignore_errors=True)
         self.proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -271,6 +325,10 @@ class LiveJob:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+    def events(self) -> list[Event]:
+        """What the job recorded so far (hetero.events)."""
+        return read_events(self.events_dir)
 
     def wait_for(self, fragment: str, timeout: float = 300) -> None:
         import time

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import GPT_MODEL, REPO, TRAINING, assert_same_training, cpu_devices, run_pretrain
 from hetero.plan import Plan
-from megatron.hetero.adapt import pipeline_time, rebalanced_layers, rebalanced_micro_batches
+from hetero.predict.schedule import equal_stages_time
+from megatron.hetero.adapt import rebalanced_layers, rebalanced_micro_batches
 
 
 # ---- the arithmetic ----------------------------------------------------------------------
@@ -21,10 +22,10 @@ def test_replicas_get_micro_batches_in_proportion_to_their_speed():
 
 def test_a_pipeline_split_accounts_for_the_fill_and_drain_steps():
     # per stage step: replica 0 takes 0.1 s, replica 1 0.2 s; 4 stages add 3 steps each
-    seconds = [pipeline_time(0.1, 8, 4), pipeline_time(0.2, 8, 4)]
+    seconds = [equal_stages_time(0.1, 8, 4), equal_stages_time(0.2, 8, 4)]
     counts = rebalanced_micro_batches(seconds, [8, 8], stages=4)
     assert counts == [12, 4]  # (12 + 3) * 0.1 = 1.5 s, (4 + 3) * 0.2 = 1.4 s: the nearest to equal
-    times = [pipeline_time(a, m, 4) for a, m in zip([0.1, 0.2], counts)]
+    times = [equal_stages_time(a, m, 4) for a, m in zip([0.1, 0.2], counts)]
     assert max(times) < max(seconds)
 
 
@@ -44,9 +45,10 @@ def test_layers_move_to_the_faster_stage():
 
 # ---- a real job on ranks of unequal speed --------------------------------------------------
 
-PINNED = REPO / "tests" / "pinned_rank.py"
-# Ranks 0 and 1 share CPU 0 (each runs at half speed), rank 2 has CPU 1 to itself.
-PIN = {"PIN_CPUS": "0 0 1"}
+SLOWED = REPO / "tests" / "slowed_rank.py"
+# Ranks 0 and 1 take 0.1 s longer for every micro-batch's forward step than rank 2, whatever
+# the machine's load.
+SLOW = {"SLOW_RANKS": "0 1", "SLOW_FORWARD_S": "0.1"}
 MODEL = [a if a != "64" else "256" for a in GPT_MODEL]  # hidden 256: compute, not overhead
 RESPLIT = re.compile(r"hetero-adapt after iteration \d+: replica times \[[^]]*\] s -> "
                      r"micro-batches per replica \[([^]]*)\] -> \[([^]]*)\]")
@@ -63,7 +65,7 @@ def test_adapted_replicas_train_the_same_model_faster(tmp_path):
     args = MODEL + TRAINING + ["--global-batch-size", "24", "--train-iters", "8"]
     output = tmp_path / "adapted.json"
     adapted = run_pretrain(args + ["--hetero-adapt", "--hetero-adapt-output", str(output)],
-                           nproc=3, plan=plan, tmp_path=tmp_path, env=PIN, script=PINNED,
+                           nproc=3, plan=plan, tmp_path=tmp_path, env=SLOW, script=SLOWED,
                            launcher="torchrun")
     assert adapted.returncode == 0, adapted.output[-3000:]
     resplits = [[list(map(int, split.split(", "))) for split in m.groups()]
@@ -72,7 +74,7 @@ def test_adapted_replicas_train_the_same_model_faster(tmp_path):
     slow_0, slow_1, fast = resplits[-1][1]
     assert fast > max(slow_0, slow_1) and slow_0 + slow_1 + fast == 12, resplits
     # The same samples each iteration: the losses of the run that kept 4/4/4.
-    fixed = run_pretrain(args, nproc=3, plan=plan, tmp_path=tmp_path, env=PIN, script=PINNED,
+    fixed = run_pretrain(args, nproc=3, plan=plan, tmp_path=tmp_path, env=SLOW, script=SLOWED,
                          launcher="torchrun")
     assert_same_training(fixed, adapted)
     corrected = Plan.load(output)

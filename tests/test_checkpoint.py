@@ -5,12 +5,13 @@ dies), gloo, megatron-core's distributed optimizer and distributed checkpoint fo
 """
 
 import json
-import re
 import time
 
 import pytest
 
-from conftest import GPT_MODEL, TRAINING, LiveJob, assert_same_training, make_plan, run_pretrain
+from conftest import GPT_MODEL, TRAINING, LiveJob, RunResult, assert_same_training, make_plan, run_pretrain
+from hetero import events
+from hetero.events import LostRanks
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +22,9 @@ PLAN_A = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=
 PLAN_B = make_plan(tp=2, pp=1, dp=2, stages=[4], replicas=[2, 6], rank_order=[3, 1, 2, 0])
 
 
-def _iterations(output: str) -> dict[int, str]:
-    """iteration -> the printed lm loss (as text: exact comparisons compare text)."""
-    return {int(i): loss for i, loss in re.findall(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|", output)}
+def _iterations(result: RunResult) -> dict[int, float]:
+    """iteration -> the logged lm loss, as the job recorded it (hetero.events)."""
+    return result.iteration_losses()
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +66,9 @@ def test_resume_under_the_same_plan_is_exact(tmp_path, checkpoint_at_3):
     resumed = run_pretrain(SIX + ["--load", str(root)], nproc=4, plan=PLAN_A, tmp_path=tmp_path)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "successfully loaded checkpoint" in resumed.stdout
-    joined = {**_iterations(first.stdout), **_iterations(resumed.stdout)}
-    assert sorted(_iterations(resumed.stdout)) == [4, 5, 6]
-    assert joined == _iterations(straight.stdout)  # identical, digit for digit
+    joined = {**_iterations(first), **_iterations(resumed)}
+    assert sorted(_iterations(resumed)) == [4, 5, 6]
+    assert joined == _iterations(straight)  # identical, bit for bit
 
 
 def test_resume_under_another_plan_continues_the_same_training(tmp_path, checkpoint_at_3, reference_six):
@@ -75,8 +76,7 @@ def test_resume_under_another_plan_continues_the_same_training(tmp_path, checkpo
     resumed = run_pretrain(SIX + ["--load", str(root)], nproc=4, plan=PLAN_B, tmp_path=tmp_path)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "tensors re-sharded" in resumed.stdout
-    reference = {i: float(v) for i, v in _iterations(reference_six.stdout).items()}
-    got = {i: float(v) for i, v in _iterations(resumed.stdout).items()}
+    reference, got = _iterations(reference_six), _iterations(resumed)
     assert sorted(got) == [4, 5, 6]
     for i, loss in got.items():
         assert abs(loss - reference[i]) <= 1e-4 * reference[i], (i, loss, reference[i])
@@ -96,7 +96,7 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused(checkpoint_at_3):
     weights_only = run_pretrain(plain + ["--load", str(root), "--no-load-optim", "--train-iters", "4"],
                                 timeout=180)
     assert weights_only.returncode == 0, weights_only.output[-3000:]
-    assert sorted(_iterations(weights_only.stdout)) == [4]
+    assert sorted(_iterations(weights_only)) == [4]
 
 
 def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path):
@@ -117,7 +117,7 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path):
                                                 "--load", str(root), "--save", str(root)], timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "successfully loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
-    assert sorted(_iterations(resumed.stdout)) == [3, 4]
+    assert sorted(_iterations(resumed)) == [3, 4]
     assert not list(root.glob("*.tmp"))  # the next save removed the remains
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
@@ -142,6 +142,9 @@ def test_a_rank_that_dies_stops_the_job_and_names_it(tmp_path):
     reports = [l for l in job.lines if "error: the job lost launch rank 2 (logical rank 0" in l]
     assert reports, job.output[-3000:]
     assert f"pid {victim}): its process is gone" in reports[0]
+    recorded = [lost for report in events.of_kind(job.events(), LostRanks) for lost in report.lost]
+    assert any((lost.launch_rank, lost.logical_rank, lost.pid, lost.why) == (2, 0, victim, "its process is gone")
+               for lost in recorded), recorded
     assert "resume with --load" in reports[0]
     root = tmp_path / "ckpt"
     latest = int((root / "latest_checkpointed_iteration.txt").read_text())
@@ -149,4 +152,4 @@ def test_a_rank_that_dies_stops_the_job_and_names_it(tmp_path):
     resumed = run_pretrain(SIX[:-1] + ["--use-distributed-optimizer", "--train-iters", str(latest + 1),
                                        "--load", str(root)], timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert sorted(_iterations(resumed.stdout)) == [latest + 1]
+    assert sorted(_iterations(resumed)) == [latest + 1]

@@ -20,7 +20,8 @@ from hetero.spec.model import ModelSpec, load_model
 from hetero.search.placement import place
 from hetero.plan import Plan
 from hetero.spec.profiles import ComputeProfile, Profiles, model_shape
-from hetero.search.planner import PLAN_RECOMPUTE, Planner, PlannerOptions
+from hetero.search.options import PLAN_RECOMPUTE, PlannerOptions
+from hetero.search.planner import Planner
 from hetero.predict.predictor import predict
 from hetero.predict.schedule import StageTiming
 from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
@@ -206,7 +207,7 @@ def test_swiglu_yaml_without_ffn_is_the_model_the_runtime_builds(tmp_path):
     validate_args(args)
     check_plan_model(args, job.plan)  # the runtime accepts the plan...
     runtime = ModelSpec.from_megatron_args(args)
-    assert ModelSpec(**job.plan.model_extra["model"]).differences(runtime, skip=("vocab_size",)) == []
+    assert job.plan.model.spec().differences(runtime, skip=("vocab_size",)) == []
     # ...and a run that would build another FFN is refused, naming the field
     wrong = parse_args(GPT_MODEL + TRAINING + ["--swiglu", "--ffn-hidden-size", "256"])
     apply_plan(wrong, job.plan)
@@ -229,17 +230,17 @@ def _v100_cluster() -> Cluster:
 def test_a_v100_cluster_plans_fp16_or_leaves_the_v100s_out_and_says_which():
     model = ModelSpec(num_layers=12, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=51200)
     job = plan_job(_v100_cluster(), model, 128, with_baseline=False, with_upper_bound=False, precision=None)
-    training = job.plan.model_extra["training"]
+    training = job.plan.training
     used = {d.device_type for d in job.plan.devices}
-    if training["precision"] == "fp16":
-        assert "V100-32GB" in used and training["precision_reason"] == "fp16 on all devices (V100-32GB has no bf16)"
+    if training.precision == "fp16":
+        assert "V100-32GB" in used and training.precision_reason == "fp16 on all devices (V100-32GB has no bf16)"
     else:
-        assert training["precision"] == "bf16" and used == {"A100-80GB"}
-        assert "leaves V100-32GB out (no bf16)" in training["precision_reason"]
+        assert training.precision == "bf16" and used == {"A100-80GB"}
+        assert "leaves V100-32GB out (no bf16)" in training.precision_reason
     # Asked for bf16, the V100s are left out, and the plan says so.
     job = plan_job(_v100_cluster(), model, 128, with_baseline=False, with_upper_bound=False, precision="bf16")
     assert {d.device_type for d in job.plan.devices} == {"A100-80GB"}
-    assert job.plan.model_extra["training"]["precision_reason"] == "bf16 as asked; V100-32GB left out (no bf16)"
+    assert job.plan.training.precision_reason == "bf16 as asked; V100-32GB left out (no bf16)"
 
 
 def test_the_runtime_refuses_bf16_on_a_device_without_it(monkeypatch):
@@ -287,6 +288,6 @@ def test_the_planner_never_returns_a_plan_slower_than_the_baseline_it_reports():
     cluster = Cluster.load(ROOT / "examples" / "clusters" / "holmes_like.yaml")
     model = load_model("gpt-3.6b")
     job = plan_job(cluster, model, 512, with_upper_bound=False)
-    info = job.plan.model_extra["prediction"]
-    assert info["speedup_over_baseline"] >= 1.0
-    assert job.prediction.iteration_time_s <= info["baseline"]["iteration_time_s"] * (1 + 1e-9)
+    info = job.plan.prediction
+    assert info.speedup_over_baseline >= 1.0
+    assert job.prediction.iteration_time_s <= info.baseline.iteration_time_s * (1 + 1e-9)

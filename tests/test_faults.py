@@ -21,6 +21,8 @@ import time
 import pytest
 
 from conftest import GPT_MODEL, REPO, TRAINING, LiveJob, make_plan, processes_mentioning, run_pretrain
+from hetero import events
+from hetero.events import Event, LostRanks, Stopped
 from hetero.spec.cluster import Cluster
 from hetero.plan import Plan
 from megatron.hetero.watchdog import PEER_TIMEOUT_S, _process_exists
@@ -33,16 +35,16 @@ ARGS = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--use-distribute
 REFERENCE_ITERS = 24
 
 
-def _losses(output: str) -> dict[int, float]:
-    return {int(i): float(v) for i, v in
-            re.findall(r" iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|", output)}
+def _losses(recorded: list[Event]) -> dict[int, float]:
+    """iteration -> the logged lm loss, from what the job recorded (hetero.events)."""
+    return events.losses(recorded)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted():
     result = run_pretrain(ARGS + ["--train-iters", str(REFERENCE_ITERS)])
     assert result.returncode == 0, result.output[-3000:]
-    return _losses(result.stdout)
+    return _losses(result.events)
 
 
 def _start(tmp_path, extra: list[str] = ()) -> tuple[LiveJob, list[int]]:
@@ -85,7 +87,7 @@ def _assert_resumes_the_same_training(tmp_path, uninterrupted: dict[int, float])
     assert latest + 1 <= REFERENCE_ITERS, latest
     resumed = run_pretrain(ARGS + ["--train-iters", str(latest + 1), "--load", str(root)], timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]
-    loss = _losses(resumed.stdout)[latest + 1]
+    loss = _losses(resumed.events)[latest + 1]
     assert abs(loss - uninterrupted[latest + 1]) <= 1e-4 * uninterrupted[latest + 1], (
         latest, loss, uninterrupted[latest + 1])
     return latest
@@ -97,6 +99,7 @@ def test_killed_launcher_stops_its_workers(tmp_path, uninterrupted):
     stopped_after = _seconds_until_gone(workers, bound=15)
     job.finish(timeout=30)
     assert "its launcher (torchrun agent, pid" in job.output, job.output[-3000:]
+    assert any(e.alone and "its launcher" in e.cause for e in events.of_kind(job.events(), Stopped))
     _assert_nothing_left(tmp_path)
     print(f"workers gone {stopped_after:.1f} s after the launcher was killed")
     _assert_resumes_the_same_training(tmp_path, uninterrupted)
@@ -111,6 +114,9 @@ def test_sigterm_to_one_worker_stops_every_rank_and_names_it(tmp_path, uninterru
     _assert_nothing_left(tmp_path)
     cause = f"launch rank 1 ({os.uname().nodename}, pid {workers[1]}) received SIGTERM"
     assert sum(cause in line for line in job.lines) == 4, job.output[-3000:]  # every rank says why
+    stopped = events.of_kind(job.events(), Stopped)  # and records it
+    assert sorted(e.launch_rank for e in stopped) == [0, 1, 2, 3] and {e.cause for e in stopped} == {cause}
+    assert not events.of_kind(job.events(), LostRanks)
     print(f"job stopped {stopped_after:.1f} s after SIGTERM")
     _assert_resumes_the_same_training(tmp_path, uninterrupted)
 
@@ -123,7 +129,7 @@ def test_sigterm_with_exit_signal_handler_saves_the_iteration_and_exits_0(tmp_pa
     _assert_nothing_left(tmp_path)
     exited = re.search(r"exiting program after receiving SIGTERM", job.output)
     assert exited, job.output[-3000:]
-    last_logged = max(_losses(job.output))
+    last_logged = max(_losses(job.events()))
     latest = _assert_resumes_the_same_training(tmp_path, uninterrupted)
     assert latest == last_logged  # the checkpoint is of the iteration the job was in
     print(f"saved iteration {latest} and exited 0 in {stopped_after:.1f} s")
@@ -201,7 +207,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_says_why(tmp_path, smal
         subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
     resumed = run_pretrain(ARGS + ["--train-iters", "3", "--load", str(root)], timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert abs(_losses(resumed.stdout)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]
+    assert abs(_losses(resumed.events)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]
 
 
 def test_a_truncated_checkpoint_is_named_at_load_and_an_older_one_loads(tmp_path, uninterrupted):
@@ -219,7 +225,7 @@ def test_a_truncated_checkpoint_is_named_at_load_and_an_older_one_loads(tmp_path
     assert "load an older one with --ckpt-step N (complete: 2)" in damaged.stderr
     older = run_pretrain(ARGS + ["--train-iters", "3", "--load", str(root), "--ckpt-step", "2"], timeout=300)
     assert older.returncode == 0, older.output[-3000:]
-    assert abs(_losses(older.stdout)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]
+    assert abs(_losses(older.events)[3] - uninterrupted[3]) <= 1e-4 * uninterrupted[3]
 
 
 # ----- network --------------------------------------------------------------------------
@@ -260,6 +266,10 @@ def test_a_dropped_link_stops_the_job_within_the_heartbeat_bound(tmp_path, unint
     # The fast node names the slow node's ranks; the slow node lost the job's store.
     assert re.search(r"\[launch rank [01]\] error: the job lost launch rank [23] \(logical rank \d, "
                      r"host node-slow,", output), output[-3000:]
+    # ... and records them, which is what the elastic supervisor reads.
+    reports = [e for e in events.of_kind(result.events, LostRanks) if e.launch_rank in (0, 1)]
+    assert reports and all(set(e.lost_launch_ranks) <= {2, 3} and e.host == "node-fast" for e in reports), \
+        result.events
     assert stopped_after < PEER_TIMEOUT_S + 30, stopped_after
     print(f"link dropped: job stopped in {stopped_after:.1f} s")
     _assert_resumes_the_same_training(tmp_path, uninterrupted)

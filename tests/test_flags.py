@@ -1,5 +1,5 @@
 """Every Megatron-LM flag is known: honoured, a no-op where Megatron-LM ignores it, or
-refused by name with a reason (megatron/hetero/flags.py, flag_catalog.py)."""
+refused by name with a reason (megatron/hetero/flags/)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import pytest
 
 from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
 from hetero.errors import HeteroError
-from megatron.hetero import flag_catalog, flags
+from megatron.hetero import flags
+from megatron.hetero.flags import catalog
 from megatron.hetero.arguments import build_parser, parse_args
-from tools.flags_doc import render
+from megatron.hetero.startup import configure
+from tools.flags_doc import readme_block, render
 
 BASE = GPT_MODEL + TRAINING
 PARSER = build_parser()
@@ -42,7 +44,10 @@ def _non_default_value(flag: flags.MegatronFlag) -> list[str]:
 
 
 def _refused_cases() -> list[tuple[str, flags.Ruling]]:
-    return [(option, r) for r in _of(flags.Status.REFUSED) for option in r.flag.option_strings
+    """Every option string of the flags refused while parsing (not the DEFAULT_ONLY ones,
+    which arguments.py defines and validation refuses)."""
+    return [(option, r) for r in _of(flags.Status.REFUSED) if not r.default_only
+            for option in r.flag.option_strings
             if not option.startswith("--no-") or r.flag.action != "BooleanOptionalAction"]
 
 
@@ -92,7 +97,7 @@ def test_a_flag_both_honoured_and_catalogued_is_an_error(flag):
 
 def test_a_flag_neither_honoured_nor_catalogued_is_an_error():
     honoured = flags.defined_options(PARSER) - {"--hidden-size"}
-    with pytest.raises(RuntimeError, match="neither honoured nor in flag_catalog.py: --hidden-size"):
+    with pytest.raises(RuntimeError, match="neither honoured nor in flags/catalog.py: --hidden-size"):
         flags.check_registry(honoured)
 
 
@@ -102,7 +107,7 @@ def test_honoured_defaults_are_megatrons_or_documented():
 
 def test_catalog_themes_are_all_used():
     used = {r.theme for r in _of(flags.Status.REFUSED)}
-    assert set(flag_catalog.THEMES) <= used
+    assert set(catalog.THEMES) <= used
 
 
 # ---- refused, by name ------------------------------------------------------------------
@@ -114,6 +119,7 @@ def test_every_refused_flag_is_named_with_a_reason(option, ruling):
     lines = str(err.value).splitlines()
     assert len(lines) == 3 and lines[1].startswith(f"  {option}: ")
     reason = lines[1].split(": ", 1)[1]
+    assert reason == ruling.reason  # the reason docs/flags.md gives
     assert "remove it" in reason or "use --" in reason
     assert "unknown" not in reason and "did you mean" not in reason
 
@@ -122,8 +128,8 @@ PERFORMANCE_FLAGS = [
     ["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
     ["--recompute-num-layers", "1"], ["--recompute-activations"], ["--overlap-grad-reduce"],
     ["--overlap-param-gather"], ["--num-layers-per-virtual-pipeline-stage", "2"],
-    ["--num-virtual-stages-per-pipeline-rank", "2"], ["--context-parallel-size", "2"],
-    ["--tp-comm-overlap"], ["--attention-backend", "flash"], ["--cross-entropy-loss-fusion"],
+    ["--num-virtual-stages-per-pipeline-rank", "2"],
+    ["--attention-backend", "flash"], ["--cross-entropy-loss-fusion"],
     ["--grad-reduce-in-bf16"], ["--ddp-bucket-size", "1000"],
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
 ]
@@ -131,8 +137,9 @@ PERFORMANCE_FLAGS = [
 
 @pytest.mark.parametrize("given", PERFORMANCE_FLAGS, ids=lambda g: g[-1] if len(g) > 2 else g[0])
 def test_performance_flags_are_honoured(given):
-    """Issue 2.2's flags parse as Megatron's; whether a combination runs here (transformer-
-    engine for --tp-comm-overlap, a plan for interleaving) is performance.py's to say."""
+    """Megatron-LM's performance flags parse as Megatron-LM's; whether a combination runs
+    here (transformer-engine for --attention-backend flash, a plan for interleaving) is
+    performance.py's to say."""
     flag = next(g for g in reversed(given) if g.startswith("--"))
     assert TABLE[flag].status is flags.Status.HONOURED
     parse_args(BASE + given)
@@ -151,7 +158,7 @@ def test_all_refused_and_unknown_flags_are_reported_in_one_error():
     message = str(err.value)
     assert message.startswith("5 flag(s) Megatron-Hetero cannot run:")
     for expected in ("--fp8-format: FP8", "--profile: Megatron-LM's torch/nsys profiler",
-                     "--tp-comm-overlap-cfg: overlaps or buckets",
+                     "--tp-comm-overlap-cfg: a communication-overlap or bucketing variant",
                      "--batch-size: removed from Megatron-LM; use --micro-batch-size",
                      "unknown flag --hiden-size (did you mean --hidden-size?)"):
         assert expected in message
@@ -171,7 +178,7 @@ def test_megatron_values_of_honoured_flags_are_refused_by_name(option, value):
 def test_refused_values_are_megatrons_and_not_ours():
     megatron = {f.name: f.choices for f in flags.megatron_flags()}
     assert {o for o, _ in REFUSED_VALUES} >= {"--ckpt-format", "--optimizer", "--tokenizer-type"}
-    for option, values in flag_catalog.REFUSED_VALUES.items():
+    for option, values in catalog.REFUSED_VALUES.items():
         action = PARSER._option_string_actions[option]
         for value in values:  # stale once arguments.py runs the value: delete the entry
             assert value in megatron[option] and value in action.refused_values, (option, value)
@@ -254,6 +261,156 @@ def test_docs_flags_md_is_generated_from_the_registry():
     assert committed == render(), "docs/flags.md is stale: python -m tools.flags_doc > docs/flags.md"
 
 
+def test_readme_states_only_the_generated_flag_counts():
+    """Counts of flags come from one function (flags.flag_counts); README.md states them only
+    in the block `python -m tools.flags_doc --readme` writes."""
+    readme = (REPO / "README.md").read_text()
+    if flags.docs.README_BEGIN in readme:
+        start = readme.index(flags.docs.README_BEGIN)
+        end = readme.index(flags.docs.README_END) + len(flags.docs.README_END)
+        assert readme[start:end] == readme_block(), "run: python -m tools.flags_doc --readme"
+    c = flags.flag_counts(PARSER)
+    assert (c.honoured + c.noop + c.refused, c.total) == (c.total, len(flags.megatron_flags()))
+
+
+# ---- docs/flags.md agrees with what the runtime does -----------------------------------
+# Each flag's status is read from the committed docs/flags.md, then checked at start-up
+# (parsing and validation, startup.configure: no process group, no training):
+# honoured -> runs with a value other than Megatron-LM's default; refused -> named with the
+# reason docs/flags.md gives; no-op -> accepted and said.
+
+def _statuses_in_docs() -> dict[str, list[str]]:
+    """Each flag's statuses as docs/flags.md lists it (once, if the page is right)."""
+    text = (REPO / "docs" / "flags.md").read_text()
+    sections = {"honoured": text.split("\n## Honoured\n")[1].split("\n## No-ops\n")[0],
+                "no-op": text.split("\n## No-ops\n")[1].split("\n## Refused\n")[0],
+                "refused": text.split("\n## Refused\n")[1].split("\n## Megatron-Hetero's own flags")[0]}
+    found: dict[str, list[str]] = {}
+    for status, section in sections.items():
+        for line in section.splitlines():
+            table_row = re.match(r"^\| `(--[^`]+)`", line)
+            list_item = re.match(r"^- `(--[^` ]+)`", line)
+            # Honoured flags' refused values are listed as "- `--flag value`": not the flag's status.
+            match = table_row or (list_item if status == "refused" else None)
+            if match:
+                found.setdefault(match.group(1), []).append(status)
+    return found
+
+
+DOC_STATUS = _statuses_in_docs()
+
+
+def test_docs_flags_md_gives_every_flag_one_status():
+    assert set(DOC_STATUS) == set(TABLE)
+    assert {flag: s for flag, s in DOC_STATUS.items() if len(s) != 1} == {}
+    assert {flag: s[0] for flag, s in DOC_STATUS.items()} == {
+        flag: ruling.status.value for flag, ruling in TABLE.items()}
+
+
+# Honoured flags whose sample needs other flags (or another value) to make a valid run; the
+# rest get _non_default_value. Values other than Megatron-LM's default, so each one asks for
+# something.
+HONOURED_SAMPLES = {
+    "--tensor-model-parallel-size": ["--tensor-model-parallel-size", "2"],
+    "--pipeline-model-parallel-size": ["--pipeline-model-parallel-size", "2"],
+    "--hidden-size": ["--hidden-size", "128"],
+    "--num-attention-heads": ["--num-attention-heads", "8"],
+    "--max-position-embeddings": ["--max-position-embeddings", "64"],
+    "--no-position-embedding": ["--position-embedding-type", "rope", "--no-position-embedding"],
+    "--micro-batch-size": ["--micro-batch-size", "4"],
+    "--global-batch-size": ["--global-batch-size", "32"],
+    "--rampup-batch-size": ["--rampup-batch-size", "4", "4", "16"],
+    "--train-samples": ["--train-samples", "80"],
+    "--lr-decay-samples": ["--train-samples", "80", "--lr-decay-samples", "64"],
+    "--lr-wsd-decay-samples": ["--train-samples", "80", "--lr-wsd-decay-samples", "16"],
+    "--lr-warmup-samples": ["--train-samples", "80", "--lr-warmup-samples", "16"],
+    "--save-interval": ["--save", "/nonexistent/ckpt", "--save-interval", "3"],
+    "--ckpt-format": ["--ckpt-format", "torch_dist"],  # Megatron-LM's default: the one we run
+    "--tokenizer-type": ["--tokenizer-type", "NullTokenizer"],
+    "--data-path": ["--data-path", "/nonexistent/prefix"],  # the files are checked later, per rank
+    "--tiktoken-pattern": ["--tiktoken-pattern", "v1"],
+    "--num-experts": ["--num-experts", "4", "--disable-bias-linear"],
+    "--wandb-project": ["--wandb-project", "p", "--wandb-save-dir", "/nonexistent/wandb"],
+    "--attention-backend": ["--attention-backend", "local", "--transformer-impl", "local"],
+    "--recompute-granularity": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1"],
+    "--recompute-method": ["--recompute-granularity", "full", "--recompute-method", "block",
+                           "--recompute-num-layers", "1"],
+    "--recompute-num-layers": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                               "--recompute-num-layers", "2"],
+    "--recompute-modules": ["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+    "--num-layers-per-virtual-pipeline-stage": ["--pipeline-model-parallel-size", "2",
+                                                "--num-layers-per-virtual-pipeline-stage", "1"],
+    "--num-virtual-stages-per-pipeline-rank": ["--pipeline-model-parallel-size", "2",
+                                               "--num-virtual-stages-per-pipeline-rank", "2"],
+    "--overlap-param-gather": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                               "--overlap-param-gather"],
+}
+# Values that need hardware this machine may lack: checked where it has it.
+GPU_ONLY = {"--transformer-impl": "transformer_engine", "--distributed-backend": "nccl"}
+
+
+def _base_for(given: list[str]) -> list[str]:
+    """BASE without the flags ``given`` replaces (one unit of training length, one data source)."""
+    drop = set()
+    if "--train-samples" in given:
+        drop.add("--train-iters")
+    if "--data-path" in given:
+        drop.add("--mock-data")
+    out, skip = [], 0
+    for i, arg in enumerate(BASE):
+        if skip:
+            skip -= 1
+        elif arg in drop:
+            skip = 1 if arg == "--train-iters" else 0
+        else:
+            out.append(arg)
+    return out
+
+
+def _honoured_sample(ruling: flags.Ruling) -> list[str]:
+    flag = ruling.flag
+    if flag.name in HONOURED_SAMPLES:
+        return HONOURED_SAMPLES[flag.name]
+    option = flag.option_strings[-1]
+    action = PARSER._option_string_actions[option]
+    if flag.choices:  # a value we run, other than Megatron-LM's default
+        skip = {flag.default, *getattr(action, "refused_values", {}), GPU_ONLY.get(flag.name)}
+        value = next(c for c in action.choices if c not in skip and [c] != flag.default)
+        return [option, str(value)]
+    return [option, *_non_default_value(flag)]
+
+
+@pytest.mark.parametrize("flag", [f for f, s in DOC_STATUS.items() if s == ["honoured"]])
+def test_a_flag_docs_call_honoured_runs(flag):
+    given = _honoured_sample(TABLE[flag])
+    world = 2 if {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"} & set(given) else 1
+    job = configure(_base_for(given) + given, world)
+    assert job.args.noop_flags == []
+
+
+DEFAULT_ONLY = [r for r in _of(flags.Status.REFUSED) if r.default_only]
+
+
+def test_default_only_flags_are_listed_as_refused():
+    assert {r.flag.name for r in DEFAULT_ONLY} == set(catalog.DEFAULT_ONLY)
+    assert all(DOC_STATUS[r.flag.name] == ["refused"] for r in DEFAULT_ONLY)
+
+
+@pytest.mark.parametrize("ruling", DEFAULT_ONLY, ids=lambda r: r.flag.name)
+def test_a_refused_flag_the_runtime_reads_runs_only_at_megatrons_default(ruling):
+    """Refused flags arguments.py defines: start-up names any other value, with the way out."""
+    option, default = ruling.flag.name, ruling.flag.default
+    given = [option, *_non_default_value(ruling.flag)]
+    with pytest.raises(HeteroError) as err:
+        configure(BASE + given, 1)
+    message = str(err.value)
+    assert message.startswith(option), message
+    assert f"{option} {default}" in message or "drop the flag" in message or "remove" in message
+    if ruling.flag.takes_value:  # at Megatron-LM's default it runs
+        configure(BASE + [option, str(default)], 1)
+
+
 def _help_sections(text: str) -> dict[str, str]:
     parts = re.split(r"^(\S[^\n]*):\n", text, flags=re.MULTILINE)
     return dict(zip(parts[1::2], parts[2::2]))
@@ -275,7 +432,7 @@ def test_help_groups_every_flag_by_status_and_theme():
 def test_flags_of_the_namespace_are_megatrons_dests_only():
     """Non-honoured flags leave nothing behind on args (the start-up log prints every arg)."""
     args = parse_args(BASE + ["--use-mcore-models"])
-    assert not hasattr(args, flags._GIVEN)
+    assert not hasattr(args, flags.GIVEN)
     assert isinstance(args, argparse.Namespace) and not hasattr(args, "fp8_format")
 
 

@@ -18,7 +18,6 @@ from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predict.predictor import predict
 from megatron.hetero.cpu_device import KEEP_FREED_MEMORY_ENV
-from megatron.hetero.log import cpu_peak_memory_mb
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +46,7 @@ def test_predicted_peak_memory_per_stage(tmp_path, distributed_optimizer):
     # server would inherit that process's resident pages and miss the libraries' own.
     result = run_pretrain(args, nproc=4, plan=plan, tmp_path=tmp_path, launcher="torchrun")
     assert result.returncode == 0, result.output[-3000:]
-    peaks = cpu_peak_memory_mb(result.stdout)
+    peaks = result.peak_memory_mb()
     # Megatron-LM's once (after the first logged iteration), then every --log-memory-interval.
     assert sorted(peaks) == [(0, 1), (0, 3), (2, 1), (2, 3)], peaks
     measured = {rank // 2: mb * 2**20 for (rank, after), mb in peaks.items() if after == 3}
@@ -71,7 +70,7 @@ def test_predicted_peak_memory_of_stages_with_their_own_tensor_parallel_degree(t
     args = MODEL + ["--untie-embeddings-and-output-weights"]
     result = run_pretrain(args, nproc=3, plan=plan, tmp_path=tmp_path, launcher="torchrun")
     assert result.returncode == 0, result.output[-3000:]
-    peaks = cpu_peak_memory_mb(result.stdout)
+    peaks = result.peak_memory_mb()
     assert sorted(peaks) == [(0, 1), (0, 3), (2, 1), (2, 3)], peaks
     measured = {0: peaks[0, 3] * 2**20, 1: peaks[2, 3] * 2**20}
     # 8001 tokens padded to a multiple of 128 x 2 (the widest stage's degree)

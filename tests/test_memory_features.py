@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_plan, run_pretrain
+from conftest import RunResult, make_plan, run_pretrain
 from hetero.spec.cluster import Cluster
 from hetero.predict.costs import CostModel, TrainingSetup
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predict.predictor import predict
-from megatron.hetero.log import cpu_peak_memory_mb
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +31,15 @@ MODEL = ["--num-layers", str(NUM_LAYERS), "--hidden-size", "512", "--num-attenti
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
 
-def peak_rss_mb(stdout: str) -> dict[int, float]:
+def peak_rss_mb(result: RunResult) -> dict[int, float]:
     """The job's own peak memory (MB) of every rank that reports it (one per stage)."""
-    return {rank: mb for (rank, _), mb in cpu_peak_memory_mb(stdout).items()}
+    return {rank: mb for (rank, _), mb in result.peak_memory_mb().items()}
 
 
 def _peak(args: list[str], nproc: int = 1, plan: dict | None = None, tmp_path=None) -> float:
     result = run_pretrain(args, nproc=nproc, plan=plan, tmp_path=tmp_path)
     assert result.returncode == 0, result.output[-3000:]
-    peaks = peak_rss_mb(result.stdout)
+    peaks = peak_rss_mb(result)
     assert peaks, result.stdout[-2000:]
     return max(peaks.values())
 

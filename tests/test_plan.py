@@ -88,17 +88,32 @@ def test_hosts_must_be_contiguous_for_torchrun():
     assert plan.hosts() == [("a", [0, 1, 2, 3]), ("b", [4, 5, 6]), ("c", [7])]
 
 
-def test_extra_fields_survive_a_round_trip(tmp_path):
-    data = _plan(prediction={"iteration_time_s": 1.5}, provenance="hetero-plan 0.1")
+def test_unknown_keys_survive_a_round_trip(tmp_path):
+    """Unknown top-level keys, entry keys and informational record keys are kept as they are."""
+    data = _plan(notes={"by": "a person"},
+                 prediction={"iteration_time_s": 1.5, "tokens_per_s": 2000.0, "from_a_newer_release": [1]},
+                 provenance={"tool": "hetero-plan 0.1", "created": "2026-01-31T12:00:00+00:00"})
     data["stages"][0]["device_type"] = "H100-80GB"
     path = tmp_path / "plan.json"
     Plan.from_dict(data).save(path)
     again = json.loads(path.read_text())
-    assert again["prediction"] == {"iteration_time_s": 1.5}
-    assert again["provenance"] == "hetero-plan 0.1"
+    assert again["notes"] == {"by": "a person"}
+    assert again["prediction"] == data["prediction"] and again["provenance"] == data["provenance"]
     assert again["stages"][0]["device_type"] == "H100-80GB"
     assert Plan.load(path) == Plan.from_dict(data)
+    assert list(again)[-1] == "notes"  # after the layout and the record
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary left behind
+
+
+def test_the_record_is_typed():
+    plan = Plan.from_dict(_plan(prediction={"iteration_time_s": 1.5, "tokens_per_s": 2000}))
+    assert plan.prediction.tokens_per_s == 2000 and plan.model is None and plan.training is None
+    assert plan.model_extra == {}  # the sections are fields, not extra keys
+    with pytest.raises(PlanError, match=r"provenance: Input should be a valid dictionary"):
+        Plan.from_dict(_plan(provenance="hetero-plan 0.1"))
+    with pytest.raises(PlanError, match=r"training.precison: Extra inputs are not permitted"):
+        Plan.from_dict(_plan(training={"global_batch_size": 16, "seq_length": 64, "precision": "bf16",
+                                       "precison": "fp16"}))
 
 
 def test_uniform_plan_is_megatrons_default():

@@ -8,7 +8,10 @@ from hetero.search.baseline import megatron_baseline, upper_bound
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.spec.model import PRESETS, ModelSpec
-from hetero.search.planner import Planner, PlannerOptions, allocate_micro_batches, split_layers
+from hetero.predict.schedule import PipelineShape
+from hetero.search.estimate import allocate_micro_batches, split_layers
+from hetero.search.options import PlannerOptions
+from hetero.search.planner import Planner
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 FAST_SLOW = {
@@ -37,7 +40,7 @@ def test_split_layers_balances_and_respects_caps():
 
 
 def test_micro_batches_go_by_speed():
-    micro = allocate_micro_batches(30, {"fast": 1, "slow": 1}, {"fast": (0.0, 1.0), "slow": (0.0, 2.0)})
+    micro = allocate_micro_batches(30, {"fast": 1, "slow": 1}, {"fast": PipelineShape(0.0, 1.0), "slow": PipelineShape(0.0, 2.0)})
     assert micro == {"fast": [20], "slow": [10]}
 
 

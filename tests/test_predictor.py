@@ -1,6 +1,7 @@
 """The predictor against cases computed by hand."""
 
 import json
+import random
 
 import pytest
 
@@ -11,7 +12,17 @@ from hetero.spec.model import PRESETS, ModelSpec
 from hetero.plan import DeviceEntry, Plan
 from hetero.predict.predictor import predict
 from hetero.spec.profiles import Profiles
-from hetero.predict.schedule import StageTiming, makespan, op_order, simulate_1f1b
+from hetero.predict.schedule import (
+    StageTiming,
+    equal_stages_step,
+    equal_stages_time,
+    makespan,
+    op_order,
+    pipeline_shape,
+    simulate_1f1b,
+    stage_ends_1f1b,
+    timing_shape,
+)
 
 
 def _cluster(nodes, inter=()):
@@ -56,6 +67,54 @@ def test_uniform_pipeline_matches_closed_form_and_sends_block():
     # A blocking send adds to its sender's op: two stages, send 0.5 each way.
     ops = simulate_1f1b([StageTiming(1, 2, send_forward_s=0.5), StageTiming(1, 2, send_backward_s=0.5)], 1)
     assert makespan(ops) == pytest.approx(1.5 + 1 + 2.5 + 2)
+
+
+def _random_stages(rng: random.Random, count: int, non_decreasing: bool) -> list[StageTiming]:
+    """Stages of random forward, backward and send times (no send out of the last stage nor
+    back from the first); with non_decreasing, each works at least as long per micro-batch
+    as the one before it."""
+    work = [rng.uniform(0.2, 5.0) for _ in range(count)]
+    if non_decreasing:
+        work.sort()
+    stages = []
+    for s, total in enumerate(work):
+        parts = [rng.random(), rng.random(), rng.random() if s < count - 1 else 0.0, rng.random() if s else 0.0]
+        stages.append(StageTiming(*(total * part / sum(parts) for part in parts)))
+    return stages
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 7, 16, 40])
+def test_closed_form_equals_the_simulation_where_no_stage_works_less_than_the_one_before(micro_batches):
+    rng = random.Random(micro_batches)
+    for _ in range(200):
+        stages = _random_stages(rng, rng.randint(1, 8), non_decreasing=True)
+        simulated = max(stage_ends_1f1b(stages, micro_batches))
+        assert _close(timing_shape(stages).time(micro_batches), simulated)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 5, 16])
+def test_closed_form_for_one_micro_batch_or_one_stage_and_a_floor_everywhere(micro_batches):
+    rng = random.Random(100 + micro_batches)
+    for _ in range(200):
+        stages = _random_stages(rng, rng.randint(2, 8), non_decreasing=False)
+        assert _close(timing_shape(stages).time(1), max(stage_ends_1f1b(stages, 1)))
+        assert _close(timing_shape(stages[:1]).time(micro_batches), max(stage_ends_1f1b(stages[:1], micro_batches)))
+        shape = timing_shape(stages)  # uneven stages: the slowest stage's busy time bounds it
+        assert shape.busiest_stage(micro_batches) <= max(stage_ends_1f1b(stages, micro_batches)) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(1, 1), (1, 9), (4, 1), (4, 8), (7, 30)])
+def test_equal_stages_closed_form(stages, micro_batches):
+    step = 0.37
+    timings = [StageTiming(0.12, 0.25)] * stages
+    simulated = max(stage_ends_1f1b(timings, micro_batches))
+    assert _close(equal_stages_time(step, micro_batches, stages), pipeline_shape([step] * stages).time(micro_batches))
+    assert _close(equal_stages_time(step, micro_batches, stages), simulated)
+    assert _close(equal_stages_step(equal_stages_time(step, micro_batches, stages), micro_batches, stages), step)
 
 
 # ----- communication ------------------------------------------------------------------

@@ -124,9 +124,7 @@ RAMP = ["--rampup-batch-size", "4", "4", "24", "--train-samples", "96", "--eval-
 
 
 def _batch_sizes(result) -> list[int]:
-    import re
-
-    return [int(b) for b in re.findall(r"\| global batch size: +(\d+) \|", result.stdout)]
+    return [int(b) for b in result.series("global batch size")]
 
 
 @pytest.mark.slow

@@ -42,28 +42,29 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from hetero import env
 from hetero.errors import HeteroError
 from hetero.launch import split_at_double_dash
 from hetero.io import write_json_atomic
 from hetero.spec.profiles import ComputeProfile, median_entry, model_shape
 
 PROBE_DEPTHS = (1, 2, 3, 4)
-# Flags the profile does not depend on but pretrain_gpt.py's parser insists on.
-PLACEHOLDER_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-                     "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
+# Data flags the profile does not depend on, before the caller's (which win); startup.model_args
+# adds the training flags' placeholders.
+PLACEHOLDER_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
 
 
 def _init_world() -> None:
-    if "RANK" not in os.environ:  # one process: a world of one on a free local port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(29000 + os.getpid() % 1000))
+    if env.launch() is None:  # one process: a world of one on a free local port
+        os.environ.update({env.RANK: "0", env.LOCAL_RANK: "0", env.WORLD_SIZE: "1",
+                           env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(29000 + os.getpid() % 1000)})
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def _device_type(override: str | None) -> str:
     from megatron.hetero.distributed import detect_device
 
-    return override or detect_device(int(os.environ.get("LOCAL_RANK", 0))).device_type
+    return override or detect_device(env.local_rank()).device_type
 
 
 def _micro_batches(dataset, micro_batch_size: int) -> Iterator[dict]:
@@ -85,14 +86,14 @@ class _Probe:
         from megatron.core import parallel_state
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from hetero.plan import Plan
-        from megatron.hetero.model import build_model, transformer_config
+        from megatron.hetero.startup import build_model
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
         plan = Plan.uniform(tensor_parallel=tp, pipeline_parallel=1,
                             data_parallel=dist.get_world_size() // tp, micro_batch_size=micro_batch_size,
                             num_layers=num_layers, global_batch_size=micro_batch_size * dist.get_world_size() // tp)
         layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
-        self.model = build_model(layered, plan, transformer_config(layered, plan))[0]
+        self.model = build_model(layered, plan)[1][0]
         self.batches = batches
         self.marks: dict[str, float] = {}
         self.samples: dict[str, list[float]] = {k: [] for k in (
@@ -272,28 +273,20 @@ def main(argv: list[str] | None = None) -> int:
                              "sizes goes into their ratio")
     options = parser.parse_args(argv)
 
-    from megatron.hetero import data
-    from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
+    from megatron.hetero import data, startup
     from megatron.hetero.model import model_spec
-    from megatron.hetero.patches import apply_patches
-    from megatron.hetero.pretrain import quiet_expected_warnings
 
+    # pretrain_gpt.py's start-up (megatron/hetero/startup.py) up to the model, for a world of
+    # profiling processes instead of a plan's: the same flags, allocator, patches and model.
+    startup.prepare_process(env.launch_rank())
     try:
-        args = parse_args(PLACEHOLDER_FLAGS + gpt_flags)
-        args.tensor_model_parallel_size = max(options.tensor_parallel)  # divisibility checks
-        args.pipeline_model_parallel_size = 1
-        validate_args(args)
-        args.padded_vocab_size = padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
+        # The largest degree: every degree's divisibility checks, and its vocabulary padding.
+        args = startup.model_args(PLACEHOLDER_FLAGS + gpt_flags, tensor_parallel=max(options.tensor_parallel))
     except HeteroError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        from megatron.hetero.cpu_device import configure_host_allocator
-
-        configure_host_allocator()  # as pretrain_gpt.py does on the CPU: allocations cost the same
-    apply_patches()
-    quiet_expected_warnings(int(os.environ.get("RANK", 0)))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    startup.start_megatron_core()
+    torch.set_num_threads(env.omp_num_threads() or torch.get_num_threads())
     _init_world()
     rank, world = dist.get_rank(), dist.get_world_size()
     device_type = _device_type(options.device_type)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import socket
 import statistics
 import sys
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hetero import env
 from hetero.io import write_json_atomic
 from hetero.spec.profiles import LinkProfile
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    host = os.environ.get("HETERO_EMULATED_HOST") or socket.gethostname()
+    host = env.host()
     hosts: list = [None] * world
     dist.all_gather_object(hosts, host)
     by_host: dict[str, list[int]] = {}

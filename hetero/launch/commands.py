@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from hetero import env as hetero_env
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 
@@ -66,8 +67,10 @@ def node_commands(
         ]
         env = {}
         if emulate_devices:
-            env["HETERO_DEVICE"] = ",".join(plan.devices[r].device_type for r in ranks)
-            env["HETERO_VENDOR"] = ",".join(plan.devices[r].vendor for r in ranks)
+            env[hetero_env.DEVICE] = hetero_env.per_local_rank_value(
+                [plan.devices[r].device_type for r in ranks], hetero_env.DEVICE)
+            env[hetero_env.VENDOR] = hetero_env.per_local_rank_value(
+                [plan.devices[r].vendor for r in ranks], hetero_env.VENDOR)
         commands.append(NodeCommand(node_rank, host, ranks, argv, env))
     return commands
 

@@ -5,7 +5,8 @@
 
 The supervisor starts every node's launcher (a runner: local processes, or the emulated
 cluster of tools/emulator) and waits. When the job fails because nodes were lost - a
-node's launcher died, or ranks on other hosts name the lost ranks' host - it plans again
+node's launcher died, or ranks on other hosts record the lost ranks (LostRanks events,
+hetero.events, in the attempt's own events directory) - it plans again
 for the surviving nodes with the same planner, model, precision and global batch (the
 plan records them), logs the old and the new plan's predicted speed, and restarts the
 survivors with the new plan and ``--load DIR``: the last complete checkpoint re-shards
@@ -18,19 +19,15 @@ the full cluster's plan to use them again.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
+from hetero.events import Event, LostRanks, of_kind
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.jobs import plan_for_recorded_job
 from hetero.plan import Plan
-
-# What a rank prints when it finds others gone (megatron/hetero/watchdog.py).
-_LOST_REPORT = re.compile(r"\[launch rank (\d+)\] error: the job lost (.*)")
-_LOST_HOST = re.compile(r"launch rank \d+ \(logical rank \d+, host ([^,]+),")
 
 
 @dataclass
@@ -40,7 +37,8 @@ class AttemptResult:
     returncode: int
     # Hosts whose launcher died of a signal before the runner stopped anything itself.
     killed_hosts: set[str] = field(default_factory=set)
-    lines: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)  # the job's output, for people
+    events: list[Event] = field(default_factory=list)  # what its ranks recorded (hetero.events)
 
 
 class NodeRunner(Protocol):
@@ -49,14 +47,16 @@ class NodeRunner(Protocol):
 
 
 def lost_hosts(result: AttemptResult, plan: Plan) -> set[str]:
-    """Hosts lost in this attempt: killed launchers, and hosts that ranks elsewhere report."""
+    """Hosts lost in this attempt: killed launchers, and the hosts of ranks that ranks on other
+    hosts record as lost (a rank lost on the reporter's own host is a process, not a node).
+    Hosts are the plan's, found by launch rank."""
     lost = set(result.killed_hosts)
-    for line in result.lines:
-        report = _LOST_REPORT.search(line)
-        if not report:
-            continue
-        reporter_host = plan.devices[int(report.group(1))].host
-        lost |= {h for h in _LOST_HOST.findall(report.group(2)) if h != reporter_host}
+    for report in of_kind(result.events, LostRanks):
+        if not 0 <= report.launch_rank < plan.world_size:
+            continue  # not a rank of this plan: another run's events
+        reporter_host = plan.devices[report.launch_rank].host
+        lost |= {plan.devices[r].host for r in report.lost_launch_ranks
+                 if 0 <= r < plan.world_size} - {reporter_host}
     return lost & {host for host, _ in plan.hosts()}
 
 
@@ -83,17 +83,16 @@ def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
 
 def replan(plan: Plan, lost: set[str]) -> Plan:
     """The same job (model, precision, global batch, search space) on the surviving nodes."""
-    extra = plan.model_extra
-    missing = [k for k in ("cluster", "model", "training") if k not in extra]
+    missing = [name for name in ("cluster", "model", "training") if getattr(plan, name) is None]
     if missing:
         raise HeteroError(f"the plan has no {', '.join(missing)} section; --elastic needs a plan "
                           "written by hetero-plan (it re-plans the same job on the survivors)")
-    cluster = cluster_without(Cluster.from_dict(extra["cluster"], "the plan's cluster"), lost)
+    cluster = cluster_without(Cluster(plan.cluster, "the plan's cluster"), lost)
     return plan_for_recorded_job(plan, cluster)
 
 
 def predicted_tokens_per_s(plan: Plan) -> float | None:
-    return (plan.model_extra.get("prediction") or {}).get("tokens_per_s")
+    return plan.prediction.tokens_per_s if plan.prediction is not None else None
 
 
 def with_load(train_args: Sequence[str]) -> list[str]:

@@ -144,7 +144,7 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
 def micro_batch_spreads(plan: Plan, costs: CostModel, grid: list[list[StageSlot]],
                         timings: list[list[StageTiming]]) -> list[list[float]]:
     """spreads[d][s]: the standard deviation of one micro-batch's forward and backward on
-    replica d's stage s, from its device's measured variation (hetero/stragglers.py)."""
+    replica d's stage s, from its device's measured variation (hetero/predict/stragglers.py)."""
     tps, mbs = plan.stage_tensor_parallel, plan.micro_batch_size
     return [[costs.micro_batch_cv(slot.device_type, tps[slot.stage], mbs)
              * (timings[d][slot.stage].forward_s + timings[d][slot.stage].backward_s) for slot in row]

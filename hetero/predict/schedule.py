@@ -1,4 +1,4 @@
-"""Megatron's non-interleaved 1F1B schedule, simulated op by op for uneven stages.
+"""Megatron's non-interleaved 1F1B schedule: the one timing model of a pipeline replica.
 
 Stage s of P runs min(P-s-1, m) warm-up forwards, then alternates one forward and one
 backward, then drains the remaining backwards. A forward of micro-batch i needs the
@@ -6,14 +6,23 @@ previous stage's forward of i; a backward needs the next stage's backward of i. 
 blocking, as megatron-core's p2p is: a stage is busy until its output has crossed the
 link, and the receiver can start once it has arrived.
 
-No closed form is used: stages of different speed shift the bubbles, and the slowest
-stage is not always where they pile up.
+Two views of that one model:
+- the simulation (simulate_1f1b, stage_ends_1f1b), op by op: what the predictor uses,
+  since stages of different speed shift the bubbles, and the slowest stage is not always
+  where they pile up;
+- the closed form (PipelineShape): m micro-batches take fill + m * step, step being the
+  slowest stage's work on one micro-batch and fill the other stages' (filling and draining
+  the pipeline). What the planner's fast estimate, the baseline's floors and the runtime's
+  self-adapting split use. It equals the simulation for one micro-batch, for one stage,
+  and whenever no stage works less per micro-batch than the stage before it (equal stages
+  included); elsewhere it is an estimate. m * step, the slowest stage's own busy time, is a
+  lower bound of the simulation whatever the stages (PipelineShape.busiest_stage).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,52 @@ class Op(NamedTuple):
     micro_batch: int
     start: float
     end: float
+
+
+class PipelineShape(NamedTuple):
+    """A replica's 1F1B time in closed form: m micro-batches take fill_s + m * step_s."""
+
+    fill_s: float
+    """Filling and draining the pipeline: every stage's work on one micro-batch but the slowest's."""
+    step_s: float
+    """The slowest stage's work on one micro-batch: it paces the pipeline."""
+
+    def time(self, micro_batches: int) -> float:
+        """Seconds to run this many micro-batches."""
+        return self.fill_s + micro_batches * self.step_s
+
+    def busiest_stage(self, micro_batches: int) -> float:
+        """Seconds the slowest stage alone is busy: the simulation never takes less."""
+        return micro_batches * self.step_s
+
+
+def pipeline_shape(work: Sequence[float]) -> PipelineShape:
+    """The closed form of a replica whose stage s works work[s] seconds per micro-batch
+    (its forward, its backward and its sends; stage_work)."""
+    step = max(work)
+    return PipelineShape(sum(work) - step, step)
+
+
+def stage_work(timing: StageTiming) -> float:
+    """A stage's busy time per micro-batch: compute and blocking sends, both directions."""
+    return timing.forward_s + timing.backward_s + timing.send_forward_s + timing.send_backward_s
+
+
+def timing_shape(stages: Sequence[StageTiming]) -> PipelineShape:
+    """pipeline_shape of the stages simulate_1f1b takes."""
+    return pipeline_shape([stage_work(timing) for timing in stages])
+
+
+def equal_stages_time(step_s: float, micro_batches: int, stages: int) -> float:
+    """The closed form on `stages` equal stages of step_s each: m micro-batches pass in
+    (m + p - 1) steps (PipelineShape((p - 1) * step_s, step_s), in one product)."""
+    return step_s * (micro_batches + stages - 1)
+
+
+def equal_stages_step(replica_s: float, micro_batches: int, stages: int) -> float:
+    """The inverse of equal_stages_time: one stage's step of a replica of equal stages that
+    took replica_s for this many micro-batches."""
+    return replica_s / (micro_batches + stages - 1)
 
 
 def op_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[str, int]]:

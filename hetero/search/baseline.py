@@ -23,10 +23,11 @@ from hetero.predict.costs import CostModel, TrainingSetup
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.plan import DeviceEntry, Plan, logical_rank_at
-from hetero.search.planner import FLOOR_ROUNDING, Planner, PlannerOptions, setup_for
+from hetero.search.options import FLOOR_ROUNDING, PlannerOptions, setup_for
+from hetero.search.planner import Planner
 from hetero.predict.predictor import Prediction, fits_in_memory, predict
 from hetero.spec.profiles import Profiles
-from hetero.predict.schedule import StageTiming, stage_ends_1f1b
+from hetero.predict.schedule import StageTiming, stage_ends_1f1b, timing_shape
 
 
 @dataclass
@@ -97,12 +98,13 @@ class _ComputeOnly:
     micro_batches: int
 
     def busiest_stage(self) -> float:
-        """A floor: a stage runs every micro-batch's forward and backward one after the other."""
-        busiest = max(t.forward_s + t.backward_s for row in self.replicas for t in row)
-        return self.micro_batches * busiest * (1 - FLOOR_ROUNDING)
+        """A floor: a stage runs every micro-batch's forward and backward one after the other
+        (PipelineShape.busiest_stage)."""
+        busiest = max(timing_shape(row).busiest_stage(self.micro_batches) for row in self.replicas)
+        return busiest * (1 - FLOOR_ROUNDING)
 
     def schedule(self) -> float:
-        """A tighter floor (and a slower one to get): the 1F1B schedule itself."""
+        """A tighter floor (and a slower one to get): the 1F1B schedule itself, simulated."""
         scheduled = max(max(stage_ends_1f1b(list(row), self.micro_batches)) for row in self.replicas)
         return max(scheduled * (1 - FLOOR_ROUNDING), self.busiest_stage())
 

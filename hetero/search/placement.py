@@ -151,12 +151,16 @@ def representative_hosts(parts: Iterable[GroupPart], classes: list[ClassInfo]) -
 
 def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int | Sequence[int],
           micro_batch_size: int, layers: list[int], replica_classes: list[tuple[int, ...]],
-          micro_batches: list[int], order: str) -> Plan:
+          micro_batches: list[int], order: str, recompute: Sequence[str | dict] | None = None,
+          virtual_stages: int = 1) -> Plan:
     """The plan with every (replica, stage) on a concrete tensor-parallel group.
 
     tensor_parallel: one degree, or one per class (a stage takes its class's: replicas of
     a stage must then be of classes of one degree); different stage degrees make a plan
-    version 3."""
+    version 3. recompute: each stage's recomputation entry (StageEntry.recompute), None for
+    the job's flags everywhere; virtual_stages > 1: the interleaved schedule, every stage's
+    layers in that many equal chunks. The plan's validation rejects what megatron-core
+    cannot run (pydantic.ValidationError)."""
     degrees = [tensor_parallel] * len(classes) if isinstance(tensor_parallel, int) else list(tensor_parallel)
     dp, pp = len(replica_classes), len(layers)
     stage_tp = []
@@ -198,7 +202,9 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int | Seq
         data_parallel=dp,
         micro_batch_size=micro_batch_size,
         stages=[StageEntry(num_layers=n, device_types=types(r[s] for r in replica_classes),
-                           tensor_parallel=stage_tp[s] if per_stage else None)
+                           tensor_parallel=stage_tp[s] if per_stage else None,
+                           recompute=recompute[s] if recompute else None,
+                           virtual_stages=[n // virtual_stages] * virtual_stages if virtual_stages > 1 else None)
                 for s, n in enumerate(layers)],
         replicas=[ReplicaEntry(num_micro_batches=m, device_types=types(r))
                   for r, m in zip(replica_classes, micro_batches)],

@@ -184,7 +184,7 @@ class Cluster:
         except ValidationError as err:
             raise HeteroError(
                 describe_validation_error(err, source, "cluster spec",
-                                          "See hetero/cluster.py for the format.")
+                                          "See hetero/spec/cluster.py for the format.")
             ) from None
         return cls(spec, source)
 

@@ -317,5 +317,5 @@ def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
     except ValidationError as err:
         raise HeteroError(
             describe_validation_error(err, str(path), "model spec",
-                                      "Use Megatron's field names (see hetero/model.py).")
+                                      "Use Megatron's field names (see hetero/spec/model.py).")
         ) from None

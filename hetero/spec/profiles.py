@@ -73,7 +73,7 @@ class ComputeEntry(_Strict):
     embedding_backward_s: float | None = Field(default=None, ge=0)
     # How much one micro-batch's forward and backward varies from one to the next (standard
     # deviation / mean, on a rank running beside the others): synchronous replicas wait for
-    # the slowest (hetero/stragglers.py).
+    # the slowest (hetero/predict/stragglers.py).
     micro_batch_cv: float | None = Field(default=None, ge=0)
 
 
@@ -169,7 +169,7 @@ class Profiles:
                 (compute if kind == "compute" else links).append(schema.model_validate(data))
             except ValidationError as err:
                 raise HeteroError(describe_validation_error(
-                    err, str(path), f"{kind} profile", "See hetero/profiles.py for the format.")) from None
+                    err, str(path), f"{kind} profile", "See hetero/spec/profiles.py for the format.")) from None
         return cls(compute, links)
 
     def with_compute_passes(self, *later: "Profiles") -> "Profiles":

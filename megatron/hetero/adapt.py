@@ -22,46 +22,27 @@ from dataclasses import dataclass
 
 import torch
 
+from hetero.balance import largest_remainder
 from hetero.errors import HeteroError, PlanError
 from hetero.plan import Plan
+from hetero.predict.schedule import equal_stages_step, equal_stages_time
 from megatron.hetero.batch_schedule import BatchSchedule
 from megatron.hetero.log import print_rank_0
-
-
-def _largest_remainder(shares: list[float], total: int, minimum: int) -> list[int]:
-    """Integers >= minimum summing to total, as close to shares (same sum) as rounding allows."""
-    counts = [max(minimum, int(share)) for share in shares]
-    while sum(counts) > total:  # the minimum pushed the sum over: take from the most over
-        above = [i for i in range(len(counts)) if counts[i] > minimum]
-        counts[max(above, key=lambda i: (counts[i] - shares[i], counts[i]))] -= 1
-    by_remainder = sorted(range(len(shares)), key=lambda i: (-(shares[i] - counts[i]), i))
-    for i in by_remainder[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
-
-
-def pipeline_time(seconds_per_micro_batch: float, micro_batches: int, stages: int) -> float:
-    """1F1B on a pipeline of equal stages: m micro-batches pass in (m + p - 1) stage steps."""
-    return seconds_per_micro_batch * (micro_batches + stages - 1)
-
-
-def step_seconds(replica_seconds: float, micro_batches: int, stages: int) -> float:
-    """The inverse of pipeline_time: one stage step of a replica measured at its count."""
-    return replica_seconds / (micro_batches + stages - 1)
 
 
 def rebalanced_micro_batches(replica_seconds: list[float], counts: list[int], stages: int,
                              unit: int = 1) -> list[int]:
     """The split of sum(counts) micro-batches under which every replica would take the same
     time, given each replica's measured time for its current count (whole multiples of
-    ``unit``, at least one unit each)."""
-    per_step = [step_seconds(t, m, stages) for t, m in zip(replica_seconds, counts)]
+    ``unit``, at least one unit each). A replica is taken as a pipeline of equal stages
+    (the 1F1B closed form, hetero/predict/schedule.py)."""
+    per_step = [equal_stages_step(t, m, stages) for t, m in zip(replica_seconds, counts)]
     # Equal times: (m_d + p - 1) * a_d = c for every d, with sum(m_d) = total.
     total = sum(counts)
     c = (total + len(counts) * (stages - 1)) / sum(1 / a for a in per_step)
     shares = [max(0.0, c / a - (stages - 1)) / unit for a in per_step]
     scale = (total // unit) / sum(shares)
-    return [n * unit for n in _largest_remainder([s * scale for s in shares], total // unit, 1)]
+    return [n * unit for n in largest_remainder([s * scale for s in shares], total // unit, 1)]
 
 
 def rebalanced_layers(stage_seconds: list[float], layers: list[int]) -> list[int]:
@@ -69,7 +50,7 @@ def rebalanced_layers(stage_seconds: list[float], layers: list[int]) -> list[int
     stage's measured compute time for its current layers (at least one layer each)."""
     speed = [n / t for n, t in zip(layers, stage_seconds)]  # layers per second
     total = sum(layers)
-    return _largest_remainder([total * v / sum(speed) for v in speed], total, 1)
+    return largest_remainder([total * v / sum(speed) for v in speed], total, 1)
 
 
 @dataclass
@@ -131,9 +112,9 @@ class Adapter:
         stages = plan.pipeline_parallel
         unit = stages if plan.virtual_pipeline_size else 1  # interleaving needs multiples of pp
         proposed = rebalanced_micro_batches(seconds, counts, stages, unit)
-        per_step = [step_seconds(t, m, stages) for t, m in zip(seconds, counts)]
+        per_step = [equal_stages_step(t, m, stages) for t, m in zip(seconds, counts)]
         now = max(seconds)
-        then = max(pipeline_time(a, m, stages) for a, m in zip(per_step, proposed))
+        then = max(equal_stages_time(a, m, stages) for a, m in zip(per_step, proposed))
         if proposed == counts or then > now * (1 - self.min_gain):
             return None
         try:

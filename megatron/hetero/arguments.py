@@ -1,8 +1,9 @@
 """Command-line flags: Megatron-LM's names, defaults and meanings, plus ``--hetero-plan``.
 
-The flags defined below are honoured. Every other flag of Megatron-LM's pretrain_gpt.py is
-known too (flags.py): a no-op where Megatron-LM ignores it, else refused by name with the
-reason. A flag that is not Megatron-LM's is an error naming it, and so is a flag that
+The flags defined below are honoured (but for flags/catalog.py's DEFAULT_ONLY, which run at
+Megatron-LM's default only). Every other flag of Megatron-LM's pretrain_gpt.py is known too
+(megatron/hetero/flags/): a no-op where Megatron-LM ignores it, else refused by name with
+the reason. A flag that is not Megatron-LM's is an error naming it, and so is a flag that
 contradicts the plan.
 """
 
@@ -11,9 +12,9 @@ from __future__ import annotations
 import argparse
 import math
 import signal
-import os
 from typing import Sequence
 
+from hetero import env
 from hetero.spec.catalog import DEVICES
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
@@ -399,19 +400,13 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
     devices that support it. Every field of the model is compared after Megatron's
     defaults are filled in on both sides, except the vocabulary: the tokenizer pads it
     later, and the training start compares the padded size with the plan's."""
-    planned = plan.model_extra.get("model")
     wrong = []
-    if planned:
-        try:
-            theirs = ModelSpec(**planned)
-        except TypeError as err:
-            raise HeteroError(f"the plan's model section is not a model spec ({err}); regenerate "
-                              "the plan with hetero-plan") from None
+    if plan.model is not None:
         ours = ModelSpec.from_megatron_args(args)
         wrong = [f"{name}: plan {planned_value!r}, flags {flag_value!r}"
-                 for name, planned_value, flag_value in theirs.differences(ours, skip=("vocab_size",))]
-    training = plan.model_extra.get("training") or {}
-    precision = training.get("precision")
+                 for name, planned_value, flag_value in plan.model.spec().differences(ours, skip=("vocab_size",))]
+    training = plan.training
+    precision = training.precision if training is not None else None
     if precision and precision != args.params_dtype:
         flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}.get(precision, precision)
         wrong.append(f"precision: plan {precision} ({flag}), flags {args.params_dtype}")
@@ -422,9 +417,9 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
         )
     check_precision_supported(args, plan)
     check_per_stage_tensor_parallel(args, plan)
-    if training.get("distributed_optimizer"):
+    if training is not None and training.distributed_optimizer:
         args.use_distributed_optimizer = True  # the plan's memory assumes it
-    if training.get("sequence_parallel") and plan.max_tensor_parallel > 1:
+    if training is not None and training.sequence_parallel and plan.max_tensor_parallel > 1:
         args.sequence_parallel = True  # so do its activation memory and transfers
 
 
@@ -452,11 +447,12 @@ def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
     if args.params_dtype == "fp32":
         return
     devices = dict(DEVICES)
-    cluster = plan.model_extra.get("cluster")
-    if cluster:
-        devices.update(Cluster.from_dict(cluster, "the plan's cluster section").devices)
+    if plan.cluster is not None:
+        devices.update(Cluster(plan.cluster, "the plan's cluster section").devices)
     names = {d.device_type for d in plan.devices}
-    names.update(n for n in os.environ.get("HETERO_DEVICE", "").split(",") if n)
+    standing_in = env.device()  # this local rank's entry, as the device check reads it
+    if standing_in:
+        names.add(standing_in)
     lacking = sorted(n for n in names if n in devices and not devices[n].supports(args.params_dtype))
     if lacking:
         other = "--fp16" if args.params_dtype == "bf16" else "--bf16"

@@ -39,10 +39,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hetero import events
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.io import write_json_atomic
 from hetero.plan import Plan
+from megatron.hetero.patches import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
@@ -305,6 +309,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         """After every rank's write: manifest, rename iter_N.tmp -> iter_N, then the tracker."""
         _rank_0_step(lambda: _publish(root, iteration, staging, final, plan), what, root)
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} {layout}")
+        if dist.get_rank() == 0:
+            events.emit(events.CheckpointSaved(iteration=iteration, directory=str(root)))
 
     if args.async_save:
         request.add_finalize_fn(publish)
@@ -426,4 +432,6 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     seconds = time.perf_counter() - start
     print_rank_0(f"  successfully loaded checkpoint from {root} [ t {sizes[1]}, p {sizes[0]}, "
                  f"d {sizes[2]} ] at iteration {iteration} ({seconds:.2f} s)")
+    if dist.get_rank() == 0:
+        events.emit(events.CheckpointLoaded(iteration=iteration, directory=str(root)))
     return (0 if args.finetune else iteration), seconds

@@ -21,11 +21,12 @@ Nothing here is active on a process that has a GPU.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from hetero import env
 
 _CPU = torch.device("cpu")
 
@@ -168,7 +169,7 @@ def active_mode() -> CudaAsCpuMode | None:
     return _active_mode
 
 
-KEEP_FREED_MEMORY_ENV = "HETERO_CPU_KEEP_FREED_MEMORY"
+KEEP_FREED_MEMORY_ENV = env.CPU_KEEP_FREED_MEMORY
 
 
 def configure_host_allocator() -> str:
@@ -184,7 +185,7 @@ def configure_host_allocator() -> str:
     time and varied it by 20-30% between runs of the same plan. Peak memory then counts
     glibc's reuse slack (15% more here), so it is not the figure to compare.
     """
-    if os.environ.get(KEEP_FREED_MEMORY_ENV, "") not in ("", "0"):
+    if env.keep_freed_memory():
         keep_freed_memory()
         return "kept"
     return "returned" if return_freed_memory_to_os() else "kept"

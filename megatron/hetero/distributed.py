@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hetero import env
+from hetero.env import Launch
 from hetero.spec.devices import CPU, device_type_matches
 from hetero.errors import HeteroError
 from hetero.plan import Plan
@@ -33,15 +35,6 @@ from megatron.hetero import stage_tensor_parallel
 
 
 _MAX_REPORTED_MISMATCHES = 8
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher (torchrun) told this process."""
-
-    rank: int
-    world_size: int
-    local_rank: int
 
 
 @dataclass(frozen=True)
@@ -61,18 +54,17 @@ class RankContext:
 
 def read_launch() -> Launch:
     """Reads torchrun's variables; a bare ``python pretrain_gpt.py`` is a 1-process job."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    return Launch(
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-    )
+    launch = env.launch()
+    if launch is not None:
+        return launch
+    # torch's env:// rendezvous reads these, so the world of one is written where it looks.
+    os.environ.update({env.RANK: "0", env.WORLD_SIZE: "1", env.LOCAL_RANK: "0", env.LOCAL_WORLD_SIZE: "1"})
+    os.environ.setdefault(env.MASTER_ADDR, "127.0.0.1")
+    if env.get(env.MASTER_PORT) is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ[env.MASTER_PORT] = str(sock.getsockname()[1])
+    return env.launch()
 
 
 def check_world_size(plan: Plan, launch: Launch, plan_source: str) -> None:
@@ -89,27 +81,11 @@ def check_world_size(plan: Plan, launch: Launch, plan_source: str) -> None:
 def detect_device(local_rank: int) -> FoundDevice:
     """This process's device: HETERO_DEVICE if set (emulation), else what torch sees.
 
-    HETERO_DEVICE is one device type, or a comma-separated list indexed by LOCAL_RANK
-    (torchrun gives every local rank the same environment). HETERO_VENDOR likewise.
+    HETERO_DEVICE and HETERO_VENDOR give one entry per local rank (hetero.env).
     """
-
-    def per_local_rank(variable: str) -> str | None:
-        value = os.environ.get(variable)
-        if not value:
-            return None
-        values = [v.strip() for v in value.split(",")]
-        if len(values) == 1:
-            return values[0]
-        if local_rank >= len(values):
-            raise HeteroError(
-                f"{variable}={value} lists {len(values)} devices but LOCAL_RANK is {local_rank}; "
-                "give one entry per local rank"
-            )
-        return values[local_rank]
-
-    override, vendor = per_local_rank("HETERO_DEVICE"), per_local_rank("HETERO_VENDOR")
+    override, vendor = env.device(), env.vendor()
     if override:
-        return FoundDevice(override, vendor, "HETERO_DEVICE")
+        return FoundDevice(override, vendor, env.DEVICE)
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(local_rank % torch.cuda.device_count())
         return FoundDevice(name, vendor or ("amd" if torch.version.hip else "nvidia"), "torch.cuda")
@@ -127,7 +103,7 @@ def _mismatch(plan: Plan, launch_rank: int, found: FoundDevice) -> str | None:
         return None
     hint = ""
     if found.how == "no GPU visible":
-        hint = f" (to emulate it on this CPU, set HETERO_DEVICE={expected.device_type})"
+        hint = f" (to emulate it on this CPU, set {env.DEVICE}={expected.device_type})"
     return (
         f"launch rank {launch_rank} (logical rank {plan.logical_rank(launch_rank)}, host "
         f"{expected.host}): the plan expects {expected.device_type} ({expected.vendor}), "
@@ -176,7 +152,7 @@ def comm_vendor(plan: Plan, launch: Launch, found: FoundDevice, planned: bool) -
     entry for this process (``devices`` is indexed by launch rank, not by the logical rank
     the process group uses); a plan-less launch uses what was detected.
     """
-    if os.environ.get("HETERO_VENDOR") and found.vendor:
+    if env.vendor() and found.vendor:
         return found.vendor
     if planned:
         return plan.devices[launch.rank].vendor

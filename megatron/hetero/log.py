@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-import re
 import resource
 import sys
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
+
+from hetero.events import Memory
 
 
 def _rank() -> int:
@@ -103,30 +104,27 @@ def evaluation_block(prefix: str, losses: dict[str, float]) -> str:
     return f"{rule}\n{line}\n{rule}"
 
 
-def memory_line(rank: int, iteration: int) -> str:
+def memory_stats(rank: int, iteration: int) -> Memory:
+    """This process's memory now, as the memory line reports it and the Memory event records it."""
     mb = 1024 * 1024
     if torch.cuda.is_available():
-        return (
-            f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
-            f"allocated: {torch.cuda.memory_allocated() / mb:.1f} | "
-            f"max allocated: {torch.cuda.max_memory_allocated() / mb:.1f} | "
-            f"reserved: {torch.cuda.memory_reserved() / mb:.1f} | "
-            f"max reserved: {torch.cuda.max_memory_reserved() / mb:.1f}"
-        )
+        return Memory(logical_rank=rank, iteration=iteration,
+                      allocated_mb=torch.cuda.memory_allocated() / mb,
+                      max_allocated_mb=torch.cuda.max_memory_allocated() / mb,
+                      reserved_mb=torch.cuda.memory_reserved() / mb,
+                      max_reserved_mb=torch.cuda.max_memory_reserved() / mb)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | max rss: {peak_kb / 1024:.1f} | "
-            f"mapped files: {_mapped_files_kb() / 1024:.1f}")
+    return Memory(logical_rank=rank, iteration=iteration, max_rss_mb=peak_kb / 1024,
+                  mapped_files_mb=_mapped_files_kb() / 1024)
 
 
-_CPU_MEMORY_LINE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| "
-                              r"max rss: ([0-9.]+) \| mapped files: ([0-9.]+)")
-
-
-def cpu_peak_memory_mb(output: str) -> dict[tuple[int, int], float]:
-    """(rank, iteration) -> the job's own peak memory in MB, from the memory lines of CPU
-    ranks in a log: max rss less the mapped files."""
-    return {(int(rank), int(after)): float(rss) - float(files)
-            for rank, after, rss, files in _CPU_MEMORY_LINE.findall(output)}
+def memory_line(stats: Memory) -> str:
+    """Megatron-LM's memory line (on the CPU: peak resident memory and the mapped files in it)."""
+    head = f"[Rank {stats.logical_rank}] (after {stats.iteration} iterations) memory (MB) | "
+    if stats.max_allocated_mb is not None:
+        return (head + f"allocated: {stats.allocated_mb:.1f} | max allocated: {stats.max_allocated_mb:.1f} | "
+                f"reserved: {stats.reserved_mb:.1f} | max reserved: {stats.max_reserved_mb:.1f}")
+    return head + f"max rss: {stats.max_rss_mb:.1f} | mapped files: {stats.mapped_files_mb:.1f}"
 
 
 def _mapped_files_kb() -> int:

@@ -1,4 +1,5 @@
-"""Builds this rank's stage of a megatron-core GPTModel from Megatron-LM flags and a plan."""
+"""Builds this rank's stage of a megatron-core GPTModel from Megatron-LM flags and a plan
+(called by startup.build_model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch.nn.functional as F
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
+from megatron.hetero.patches import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -110,20 +114,6 @@ def _moe_config(args: argparse.Namespace) -> dict:
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The model these flags build, as the planner describes models."""
     return ModelSpec.from_megatron_args(args)
-
-
-def model_spec_of_flags(flags: list[str]) -> ModelSpec:
-    """The model pretrain_gpt.py builds from these model and data flags, its vocabulary
-    padded as the run pads it: for benches that predict a run before launching it."""
-    from megatron.hetero import data
-    from megatron.hetero.arguments import padded_vocab_size, parse_args, validate_args
-
-    args = parse_args(flags + ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-                               "--lr", "1"])
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
-    validate_args(args)
-    args.padded_vocab_size = padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
-    return model_spec(args)
 
 
 def _layer_spec(args: argparse.Namespace):

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.hetero.patches import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 

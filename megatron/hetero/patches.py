@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from hetero import env
 from hetero.errors import HeteroError
 
 TESTED_MEGATRON_CORE = ("0.16.1",)
@@ -298,8 +299,9 @@ def _apply_sequence_parallel_torch_norm() -> object:
 def import_megatron_core() -> None:
     """Imports megatron-core with its import-time torch.compile calls deferred.
 
-    The import-time half of patch jit-fusions-compiled-on-first-call; megatron.hetero's
-    package import calls it, before anything of ours imports megatron-core.
+    The import-time half of patch jit-fusions-compiled-on-first-call. Every module of ours
+    that imports megatron-core at its top calls it first, and so does ``apply_patches``;
+    importing the megatron.hetero package itself imports nothing of megatron-core.
     """
     if "megatron.core" in sys.modules:
         return
@@ -527,8 +529,8 @@ def check_megatron_core_version() -> str:
             f"written and tested against {', '.join(TESTED_MEGATRON_CORE)}; install "
             f"megatron-core=={TESTED_MEGATRON_CORE[-1]}"
         )
-        if os.environ.get("HETERO_ALLOW_UNTESTED_MEGATRON_CORE") != "1":
-            raise HeteroError(message + " (or set HETERO_ALLOW_UNTESTED_MEGATRON_CORE=1 to try)")
+        if not env.allow_untested_megatron_core():
+            raise HeteroError(message + f" (or set {env.ALLOW_UNTESTED_MEGATRON_CORE}=1 to try)")
         warnings.warn(message)
     return __version__
 
@@ -536,6 +538,7 @@ def check_megatron_core_version() -> str:
 def apply_patches() -> list[str]:
     """Applies the patches this process needs, once; returns their names."""
     if not _applied:
+        import_megatron_core()  # the version check imports it: its compiles deferred first
         check_megatron_core_version()
         for patch in PATCHES:
             if patch.needed():
@@ -545,6 +548,7 @@ def apply_patches() -> list[str]:
 
 
 def describe() -> str:
+    import_megatron_core()
     version = check_megatron_core_version()
     lines = [f"megatron-core {version}: patches applied by megatron.hetero.patches.apply_patches()"]
     for patch in PATCHES:

@@ -19,10 +19,11 @@ total within it.
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from hetero import env
 
 
 class IterationTrace:
@@ -36,11 +37,11 @@ class IterationTrace:
     # (the test suite's launcher) has its own environment.
     @property
     def directory(self) -> str | None:
-        return os.environ.get("HETERO_TRACE_DIR")
+        return env.trace_dir()
 
     @property
     def iteration(self) -> int:
-        return int(os.environ.get("HETERO_TRACE_ITERATION", "3"))
+        return env.trace_iteration()
 
     @property
     def enabled(self) -> bool:

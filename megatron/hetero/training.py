@@ -15,15 +15,18 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from hetero import events
 from hetero.errors import HeteroError
 from hetero.plan import Plan
+from megatron.hetero.patches import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import (
@@ -36,9 +39,9 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 from megatron.core.transformer.module import param_is_not_shared
-from megatron.hetero import adapt, data, distributed
+from megatron.hetero import adapt, data, distributed, startup
 from megatron.core.timers import Timers
-from megatron.hetero.arguments import padded_vocab_size, used_kernel_tuning_flags
+from megatron.hetero.arguments import used_kernel_tuning_flags
 from megatron.hetero.batch_schedule import BatchSchedule
 from megatron.hetero.checkpointing import (
     finalize_pending_saves,
@@ -51,22 +54,21 @@ from megatron.hetero.distributed import Launch, RankContext
 from megatron.hetero.log import (
     arguments_block,
     evaluation_block,
+    is_last_rank,
     iteration_line,
     memory_line,
+    memory_stats,
     print_all,
     print_rank_0,
     print_rank_last,
 )
 from megatron.hetero.metrics import MetricsWriter
 from megatron.hetero.model import (
-    build_model,
     count_parameters,
     model_spec,
     resolve_transformer_impl,
-    transformer_config,
 )
 from megatron.hetero.moe import MoEMetrics
-from megatron.hetero.patches import apply_patches
 from megatron.hetero.performance import startup_lines as performance_startup_lines
 from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.watchdog import Watchdog
@@ -259,6 +261,13 @@ def timers_to_log(level: int) -> list[str]:
     return [name for lvl in sorted(TIMERS_TO_LOG) if lvl <= level for name in TIMERS_TO_LOG[lvl]]
 
 
+def _number(value):
+    """A logged figure as a plain number: the optimizer may give a 0-dimensional tensor."""
+    if value is None:
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
 def empty_unused_memory() -> None:
     """--empty-unused-memory-level: return cached accelerator memory (the CPU has no cache)."""
     if torch.cuda.is_available():
@@ -385,6 +394,11 @@ class Trainer:
         advanced = max(1, stats.iterations - stats.skipped)
         params_norm = self._params_norm() if args.log_params_norm else None
         tflops = self.spec.training_flops(global_batch_size) / (seconds * 1e12 * plan.world_size)
+        tokens_per_second = global_batch_size * args.seq_length / seconds
+        learning_rate = self.learning_rate()
+        losses = {k: v / advanced for k, v in stats.losses.items()}
+        loss_scale = float(self.optimizer.get_loss_scale().item())
+        zeros = num_zeros if args.log_num_zeros_in_grad else None
         print_rank_last(
             iteration_line(
                 iteration=iteration,
@@ -392,18 +406,25 @@ class Trainer:
                 consumed_samples=consumed_samples,
                 elapsed_ms=seconds * 1000.0,
                 tflops_per_device=tflops if args.log_throughput else None,
-                tokens_per_second=global_batch_size * args.seq_length / seconds,
-                learning_rate=self.learning_rate(),
+                tokens_per_second=tokens_per_second,
+                learning_rate=learning_rate,
                 global_batch_size=global_batch_size,
-                losses={k: v / advanced for k, v in stats.losses.items()},
-                loss_scale=float(self.optimizer.get_loss_scale().item()),
+                losses=losses,
+                loss_scale=loss_scale,
                 grad_norm=grad_norm,
                 params_norm=params_norm,
-                num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
+                num_zeros_in_grad=zeros,
                 skipped_iterations=stats.skipped,
                 nan_iterations=stats.nan,
             )
         )
+        if is_last_rank():  # the rank that prints the line, and knows the losses
+            events.emit(events.Iteration(
+                iteration=iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
+                interval=stats.iterations, elapsed_s=seconds, tokens_per_s=tokens_per_second,
+                tflops_per_device=tflops, learning_rate=learning_rate, global_batch_size=global_batch_size,
+                losses=losses, loss_scale=loss_scale, grad_norm=_number(grad_norm), params_norm=params_norm,
+                num_zeros=_number(zeros), skipped=stats.skipped, nan=stats.nan))
         if args.log_timers_to_tensorboard:
             self.metrics.scalar("iteration-time", seconds, iteration)
             if args.log_throughput:
@@ -491,7 +512,9 @@ class Trainer:
                     if parallel_state.get_data_parallel_rank() == 0 and (
                         parallel_state.get_tensor_model_parallel_rank() == 0
                     ):
-                        print_all(memory_line(self.ctx.logical_rank, iteration))
+                        memory = memory_stats(self.ctx.logical_rank, iteration)
+                        print_all(memory_line(memory))
+                        events.emit(memory)
             if evaluate and iteration % args.eval_interval == 0:
                 self.evaluate_and_print(valid_iterator, iteration, consumed)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
@@ -577,15 +600,8 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
 def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: Launch) -> None:
     start_time = time.time()  # --exit-duration-in-mins counts from here, as in Megatron-LM
     data.check_data_paths(args)
-    patches = apply_patches()
-    ctx = distributed.initialize(
-        plan,
-        plan_source or "(uniform)",
-        args.distributed_backend,
-        timedelta(minutes=args.distributed_timeout_minutes),
-        check_devices=plan_source is not None,
-        sequence_parallel=args.sequence_parallel,
-    )
+    patches = startup.start_megatron_core()
+    ctx = startup.init_distributed(args, plan, plan_source)
     watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                         exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None).start()
     try:
@@ -625,15 +641,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     timers = Timers(args.timing_log_level, "minmax")
 
     print_rank_0(f"> building {args.tokenizer_type} tokenizer ...")
-    tokenizer = data.build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    planned_vocab = (plan.model_extra.get("model") or {}).get("vocab_size")
-    if planned_vocab is not None and planned_vocab != args.padded_vocab_size:
-        raise HeteroError(
-            f"the plan was made for a vocabulary of {planned_vocab}, this run pads its tokenizer's "
-            f"{tokenizer.vocab_size} to {args.padded_vocab_size}; regenerate the plan with "
-            f"hetero-plan --vocab-size {args.padded_vocab_size}"
-        )
+    tokenizer = startup.build_tokenizer(args, plan)  # pads the vocabulary, checks the plan's
     print_rank_0(
         f" > padded vocab (size: {tokenizer.vocab_size}) with "
         f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
@@ -641,9 +649,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     )
 
     print_rank_0("building GPT model ...")
-    config = transformer_config(args, plan)
-    config.timers = timers  # megatron-core times its own steps at --timing-log-level 2
-    model_chunks = build_model(args, plan, config)
+    config, model_chunks = startup.build_model(args, plan, timers)
     if parallel_state.get_data_parallel_rank() == 0:
         print_all(
             " > number of parameters on (tensor, pipeline) model parallel rank "

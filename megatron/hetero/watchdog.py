@@ -15,7 +15,8 @@ second from a thread of its own. The same thread watches:
 The thread acts even while the main thread is stuck in a collective that will never end.
 
 Then, once per process: find every lost rank, print which (launch rank, logical rank,
-host, pid) and the last complete checkpoint, and exit. The main thread takes the same
+host, pid) and the last complete checkpoint, record them (a LostRanks event, hetero.events:
+what the elastic supervisor reads), and exit. The main thread takes the same
 path when its communication library reports the death first (a peer's socket closed, a
 collective timed out after --distributed-timeout-minutes).
 """
@@ -34,6 +35,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hetero import env, events
+from hetero.events import LostRank
 from hetero.plan import Plan
 from megatron.hetero.distributed import announce_stopped
 from megatron.hetero.log import error
@@ -60,11 +63,11 @@ class Watchdog:
         self.machine = socket.gethostname()  # where a pid means something
         # The host the job knows this rank by: an emulated node's name (tools/emulator) or
         # the machine's.
-        self.host = os.environ.get("HETERO_EMULATED_HOST") or self.machine
+        self.host = env.emulated_host() or self.machine
         self.neighbours = neighbours(plan, launch_rank)
         # Only a worker of torchrun's agent has a launcher to lose; a bare `python
         # pretrain_gpt.py` belongs to whatever shell started it.
-        self.launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.launcher_pid = os.getppid() if env.under_torchrun_agent() else None
         self._exit_received = False
         self._lost: dict[int, str] = {}  # launch rank -> how it was first found lost
         self._stop = threading.Event()
@@ -188,6 +191,7 @@ class Watchdog:
 
     def _stop_alone(self, cause: str) -> None:
         """Ends this process when the job's shared state cannot be read any more."""
+        events.emit(events.Stopped(launch_rank=self.launch_rank, cause=cause, alone=True))
         error(self.launch_rank, f"stopping: {cause}.{self.resume_hint()}")
         os._exit(EXIT_CODE)
 
@@ -203,8 +207,9 @@ class Watchdog:
         self.stop()
         lost = self._settle()
         if lost:
-            error(self.launch_rank, f"the job lost {'; '.join(lost)}. This process stops too "
-                                    f"({cause}).{self.resume_hint()}")
+            events.emit(events.LostRanks(launch_rank=self.launch_rank, host=self.host, lost=lost, cause=cause))
+            error(self.launch_rank, f"the job lost {'; '.join(map(describe_lost, lost))}. This process "
+                                    f"stops too ({cause}).{self.resume_hint()}")
             self._mark("stopped")  # our own exit is not news to the other survivors
             os._exit(EXIT_CODE)
         try:
@@ -212,6 +217,8 @@ class Watchdog:
         except Exception:
             published = None
         if signum is not None or published:
+            events.emit(events.Stopped(launch_rank=self.launch_rank, cause=published or cause,
+                                       signal=signum.name if signum is not None else None))
             error(self.launch_rank, f"stopped: {published or cause}; no process of the job was lost."
                                     f"{self.resume_hint()}")
             self._mark("stopped")
@@ -222,7 +229,7 @@ class Watchdog:
             os._exit(128 + signum if signum is not None else EXIT_CODE)
         self._handling.release()
 
-    def _settle(self, settle_s: float = 2.0) -> list[str]:
+    def _settle(self, settle_s: float = 2.0) -> list[LostRank]:
         """Every lost rank; waits up to settle_s for the launcher to reap dead processes."""
         deadline = time.monotonic() + settle_s
         everyone = [r for r in range(self.plan.world_size) if r != self.launch_rank]
@@ -235,7 +242,7 @@ class Watchdog:
                 return lost
             time.sleep(0.2)
 
-    def _find_lost(self, ranks: list[int]) -> list[str]:
+    def _find_lost(self, ranks: list[int]) -> list[LostRank]:
         if not ranks:
             return []
         self.store.set_timeout(timedelta(seconds=5))
@@ -254,9 +261,14 @@ class Watchdog:
                     if not gone and machine == self.machine:
                         why += _kill_frozen(int(pid))
                     self._lost[r] = why
-                lost.append(f"launch rank {r} (logical rank {self.plan.logical_rank(r)}, host {host}, "
-                            f"pid {pid}): {self._lost[r]}")
+                lost.append(LostRank(launch_rank=r, logical_rank=self.plan.logical_rank(r), host=host,
+                                     pid=int(pid), why=self._lost[r]))
         return lost
+
+
+def describe_lost(rank: LostRank) -> str:
+    return (f"launch rank {rank.launch_rank} (logical rank {rank.logical_rank}, host {rank.host}, "
+            f"pid {rank.pid}): {rank.why}")
 
 
 def neighbours(plan: Plan, launch_rank: int) -> list[int]:

@@ -16,6 +16,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from megatron.hetero.patches import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="keep the job alive: after a lost node, re-plan for the survivors and "
                               "resume from the last checkpoint (needs --plan and pretrain_gpt.py's --save)")
     elastic.add_argument("--max-restarts", type=int, default=3)
-    elastic.add_argument("--run-dir", default="runs/elastic", help="where re-planned plans go")
+    elastic.add_argument("--run-dir", default="runs/elastic",
+                         help="where re-planned plans and each attempt's events (hetero.events) go")
     options = parser.parse_args(argv)
     if not job and not options.dry_run:
         parser.error("give the job after --, e.g. -- pretrain_gpt.py --num-layers 4 ...")
@@ -84,7 +85,7 @@ def _run_elastic(options: argparse.Namespace, job: list[str]) -> int:
         if not job or not job[0].endswith("pretrain_gpt.py"):
             raise HeteroError("--elastic runs pretrain_gpt.py: give -- pretrain_gpt.py <flags>")
         runner = ElasticRunner(Cluster.load(options.cluster), shaped=not options.unshaped,
-                               timeout=options.timeout)
+                               timeout=options.timeout, run_dir=options.run_dir)
         return run_elastic(options.plan, job[1:], runner, Path(options.run_dir), options.max_restarts,
                            log=lambda line: print(line, flush=True))
     except HeteroError as err:

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetero import env as hetero_env, events
+from hetero.events import Event
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.plan import Plan
@@ -33,7 +37,7 @@ CORES_USED = 0.75
 # c10d looks up the peer's hostname for its logs; addresses inside the run's namespaces
 # have none, and every connection would warn.
 NAMESPACE_NOISE = "The hostname of the client socket cannot be retrieved"
-KEEP_FREED_MEMORY_ENV = "HETERO_CPU_KEEP_FREED_MEMORY"  # read by megatron.hetero.cpu_device
+KEEP_FREED_MEMORY_ENV = hetero_env.CPU_KEEP_FREED_MEMORY  # read by megatron.hetero.cpu_device
 
 
 @contextlib.contextmanager
@@ -98,10 +102,16 @@ class JobResult:
     seconds: float = 0.0
     # Nodes whose launcher died of a signal before the emulator stopped anything (lost nodes).
     killed_hosts: set[str] = field(default_factory=set)
+    # What the job recorded (hetero.events), every rank's merged in time order.
+    events: list[Event] = field(default_factory=list)
 
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+    def iteration_times_s(self) -> list[float]:
+        """Every logged iteration time, in seconds (each the mean over its log interval)."""
+        return events.iteration_times_s(self.events)
 
 
 class EmulatedCluster:
@@ -178,35 +188,49 @@ class EmulatedCluster:
 
     def node_command(self, node_rank: int, argv: list[str], master_port: int) -> tuple[list[str], dict]:
         host, ranks = self.layout.hosts[node_rank]
-        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               # An accelerator's caching allocator keeps freed memory; returned to the OS, every
-               # allocation faults its pages in again and timings swing 20-30% between runs
-               # (megatron.hetero.cpu_device.configure_host_allocator). 0 returns it.
-               KEEP_FREED_MEMORY_ENV: os.environ.get(KEEP_FREED_MEMORY_ENV, "1"),
-               "HETERO_DEVICE": ",".join(self.layout.device_types[r] for r in ranks),
-               "HETERO_VENDOR": ",".join(self.layout.vendors[r] for r in ranks),
-               "HETERO_EMULATED_HOST": host}
+        variables = {
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            # An accelerator's caching allocator keeps freed memory; returned to the OS, every
+            # allocation faults its pages in again and timings swing 20-30% between runs
+            # (megatron.hetero.cpu_device.configure_host_allocator). 0 returns it.
+            KEEP_FREED_MEMORY_ENV: "1" if hetero_env.flag(KEEP_FREED_MEMORY_ENV, True) else "0",
+            hetero_env.DEVICE: hetero_env.per_local_rank_value(
+                [self.layout.device_types[r] for r in ranks], hetero_env.DEVICE),
+            hetero_env.VENDOR: hetero_env.per_local_rank_value(
+                [self.layout.vendors[r] for r in ranks], hetero_env.VENDOR),
+            hetero_env.EMULATED_HOST: host,
+        }
         master = "127.0.0.1"
         prefix: list[str] = []
         if self._network:
             node = self._network.node(host)
             master = self._network.node(self.layout.hosts[0][0]).address
             prefix = self._network.exec_prefix(host)
-            env["GLOO_SOCKET_IFNAME"] = node.device
-            env["HETERO_EMULATOR_CGROUPS"] = ",".join(str(self._quotas.path(r)) for r in ranks)
-            env["HETERO_EMULATOR_CPUS"] = ",".join(str(self.cpu_of_rank[r]) for r in ranks)
+            variables["GLOO_SOCKET_IFNAME"] = node.device
+            variables[hetero_env.EMULATOR_CGROUPS] = hetero_env.per_local_rank_value(
+                [str(self._quotas.path(r)) for r in ranks], hetero_env.EMULATOR_CGROUPS)
+            variables[hetero_env.EMULATOR_CPUS] = hetero_env.per_local_rank_value(
+                [str(self.cpu_of_rank[r]) for r in ranks], hetero_env.EMULATOR_CPUS)
         command = [*prefix, sys.executable, "-m", "torch.distributed.run",
                    f"--nnodes={len(self.layout.hosts)}", f"--node-rank={node_rank}",
                    f"--nproc-per-node={len(ranks)}", f"--master-addr={master}",
                    f"--master-port={master_port}", "-m", "tools.emulator.rank_entry", *argv]
-        return command, env
+        return command, variables
 
     def run(self, argv: list[str], *, timeout: float = 1800, echo: bool = True,
-            env: dict | None = None, master_port: int | None = None) -> JobResult:
-        """Runs `python ARGV...` as every rank (ARGV[0] a script) and waits for all nodes."""
+            env: dict | None = None, master_port: int | None = None,
+            events_dir: str | os.PathLike | None = None) -> JobResult:
+        """Runs `python ARGV...` as every rank (ARGV[0] a script) and waits for all nodes.
+
+        The job records its events (hetero.events) in events_dir, which it must find empty
+        (events already there would be read as this run's), or else in a temporary
+        directory; either way they come back in the result's ``events``."""
         master_port = master_port or 20000 + self.run_id % 20000
         result, procs, lock = JobResult(0), [], threading.Lock()
         self.current = result
+        own_events = events_dir is None
+        events_dir = Path(tempfile.mkdtemp(prefix="hetero-events.")) if own_events else Path(events_dir)
+        job_env = {**(env or {}), hetero_env.EVENTS_DIR: str(events_dir)}
         start = time.monotonic()
 
         def pump(proc: subprocess.Popen) -> None:
@@ -223,7 +247,7 @@ class EmulatedCluster:
         try:
             for node_rank in range(len(self.layout.hosts)):
                 command, node_env = self.node_command(node_rank, argv, master_port)
-                proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **node_env, **(env or {})},
+                proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **node_env, **job_env},
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
                 procs.append(proc)
@@ -247,6 +271,11 @@ class EmulatedCluster:
                     proc.wait()
             for reader in readers:
                 reader.join(timeout=5)
+            try:
+                result.events = events.read_events(events_dir)
+            finally:
+                if own_events:
+                    shutil.rmtree(events_dir, ignore_errors=True)
         result.returncode = next((p.returncode for p in procs if p.returncode not in (0, None)), 0)
         if any(p.returncode is None for p in procs):
             result.returncode = result.returncode or 1
@@ -265,9 +294,20 @@ class ElasticRunner:
     reference whatever is left)."""
 
     def __init__(self, cluster: Cluster, *, shaped: bool = True, echo: bool = True,
-                 timeout: float = 3600):
+                 timeout: float = 3600, run_dir: str | os.PathLike | None = None):
+        """run_dir: where each attempt's events go (attempt-<n>-events, emptied first: the
+        supervisor reads them to find the lost hosts); None: temporary directories."""
         self.cluster, self.shaped, self.echo, self.timeout = cluster, shaped, echo, timeout
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.reference_tflops = max(d.peak_tflops for d in (n.device for n in cluster.nodes))
+
+    def events_dir(self, attempt: int) -> Path | None:
+        if self.run_dir is None:
+            return None
+        directory = self.run_dir / f"attempt-{attempt}-events"
+        shutil.rmtree(directory, ignore_errors=True)  # a previous run's, with the same run dir
+        directory.mkdir(parents=True)
+        return directory
 
     def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int):
         from hetero.launch.elastic import AttemptResult
@@ -277,8 +317,9 @@ class ElasticRunner:
         with emulated:
             result = emulated.run(["pretrain_gpt.py", "--hetero-plan", plan_path, *train_args],
                                   timeout=self.timeout, echo=self.echo,
-                                  master_port=20000 + (emulated.run_id + 7 * attempt) % 20000)
-        return AttemptResult(result.returncode, result.killed_hosts, result.lines)
+                                  master_port=20000 + (emulated.run_id + 7 * attempt) % 20000,
+                                  events_dir=self.events_dir(attempt))
+        return AttemptResult(result.returncode, result.killed_hosts, result.lines, result.events)
 
 
 def balanced_cpus(fractions: list[float], cpus: list[int]) -> list[int]:

@@ -10,16 +10,17 @@ HETERO_EMULATOR_CPUS the core each LOCAL_RANK is pinned to.
 import os
 import sys
 
+from hetero import env
 from tools.emulator.cpu_quota import join
 
 
 def main() -> None:
-    cgroups = os.environ.get("HETERO_EMULATOR_CGROUPS")
-    if cgroups:
-        join(cgroups.split(",")[int(os.environ["LOCAL_RANK"])])
-    cpus = os.environ.get("HETERO_EMULATOR_CPUS")
-    if cpus:
-        os.sched_setaffinity(0, {int(cpus.split(",")[int(os.environ["LOCAL_RANK"])])})
+    cgroup = env.emulator_cgroup()
+    if cgroup:
+        join(cgroup)
+    cpu = env.emulator_cpu()
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tools.emulator.rank_entry SCRIPT [ARGS...]")
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])

@@ -1,4 +1,4 @@
-"""What Megatron-Hetero does with each Megatron-LM flag it does not honour.
+"""What Megatron-Hetero does with each Megatron-LM flag arguments.py does not define.
 
 A flag of Megatron-LM's pretrain_gpt.py (megatron_lm_flags.json) is honoured when
 arguments.py defines it; every other flag is listed here exactly once:
@@ -8,14 +8,20 @@ arguments.py defines it; every other flag is listed here exactly once:
 - a theme of ``THEMES``: refused by name, with what the feature is and what to do
   (``REASONS`` where one flag needs its own words).
 
+``DEFAULT_ONLY`` lists flags arguments.py defines (the runtime reads their value) whose
+every value but Megatron-LM's default is refused at start-up: they count as refused.
 ``REFUSED_VALUES`` lists values of honoured flags that Megatron-LM accepts and we refuse.
+``DEFAULT_DIFFERENCES`` lists honoured flags whose default is not Megatron-LM's.
 
-flags.check_registry names any flag that is both honoured and listed here, or neither.
+rules.check_registry names any flag that is both honoured and listed here, or neither.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Flags of ours that Megatron-LM does not have.
+HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--local_rank")
 
 
 @dataclass(frozen=True)
@@ -30,29 +36,46 @@ class Theme:
         return f"{self.what}; {self.todo}"
 
 
-
-_ISSUE_22_TODO = "not supported yet - remove it"
-
 THEMES: dict[str, Theme] = {
-    "recompute": Theme("performance: activation recomputation",
-                       "activation recomputation (trades compute for memory), a performance "
-                       "feature of issue 2.2", _ISSUE_22_TODO),
-    "overlap": Theme("performance: communication overlap and bucketing",
-                     "overlaps or buckets gradient/parameter/tensor-parallel communication, a "
-                     "performance feature of issue 2.2", _ISSUE_22_TODO),
-    "parallelism": Theme("performance: interleaved pipeline, context and sequence parallelism",
-                         "interleaved (virtual) pipeline stages, context or sequence "
-                         "parallelism, performance features of issue 2.2", _ISSUE_22_TODO),
-    "kernels": Theme("performance: fused kernels and reduced-precision reductions",
-                     "chooses fused kernels, attention backends or bf16 gradient reduction, a "
-                     "performance feature of issue 2.2", _ISSUE_22_TODO),
+    "recompute": Theme(
+        "recomputation variants",
+        "a recomputation variant beyond Megatron-Hetero's (activations saved distributed over "
+        "tensor-parallel ranks, recomputation of whole MoE layers)",
+        "remove it (recomputation itself runs with --recompute-granularity, --recompute-method, "
+        "--recompute-num-layers and --recompute-modules, or per stage in the plan: "
+        "stages[s].recompute)"),
+    "overlap": Theme(
+        "communication overlap and bucketing variants",
+        "a communication-overlap or bucketing variant beyond --overlap-grad-reduce, "
+        "--overlap-param-gather and --ddp-bucket-size (tensor-parallel overlap through "
+        "transformer-engine's userbuffers, overlap with the optimizer step, bucket counts and "
+        "padding, fp32 reduce-scatter accumulation, averaging inside the collective, deferred "
+        "weight gradients)",
+        "remove it (--overlap-grad-reduce, --overlap-param-gather and --ddp-bucket-size "
+        "overlap and bucket the data-parallel communication)"),
+    "pipeline_schedule": Theme(
+        "interleaved-pipeline tuning",
+        "tunes the interleaved pipeline schedule beyond Megatron-LM's defaults (micro-batch "
+        "groups per virtual stage, overlapped warm-up and flush, ring-exchange transfers)",
+        "remove it (interleaving itself runs with --num-virtual-stages-per-pipeline-rank, "
+        "--num-layers-per-virtual-pipeline-stage or the plan's stages[s].virtual_stages)"),
+    "context_parallel": Theme(
+        "context parallelism",
+        "context parallelism (each sequence split over ranks), for which heterogeneous plans "
+        "have no axis",
+        "remove it (Megatron-LM's default, --context-parallel-size 1, is accepted)"),
+    "kernels": Theme(
+        "fused-kernel switches",
+        "turns off megatron-core's fused gradient division or its JIT fuser; Megatron-Hetero "
+        "picks these kernels itself (Megatron-LM's defaults on GPUs, eager on the CPU)",
+        "remove it"),
     "low_precision": Theme(
         "FP8 and FP4 training",
         "FP8/FP4 training needs transformer-engine on Hopper/Ada/Blackwell/MI300 GPUs"),
     "gpu_runtime": Theme(
         "GPU-only runtime tuning",
         "tunes CUDA/NCCL/transformer-engine internals (CUDA graphs, user buffers, SHARP, "
-        "stream priorities, offloading) that Megatron-Hetero does not drive"),
+        "stream priorities, offloading) that Megatron-Hetero does not drive", "remove it"),
     "parallel_layout": Theme(
         "parallel layout (the plan decides)",
         "sets the pipeline or data-parallel layout, which the heterogeneous plan decides",
@@ -73,12 +96,12 @@ THEMES: dict[str, Theme] = {
     "model_variants": Theme(
         "model-architecture variants",
         "a model-architecture option Megatron-Hetero does not build yet (activation, residual, "
-        "bias, RoPE-scaling, initialisation or multi-token-prediction variant)"),
+        "bias, RoPE-scaling, initialisation or multi-token-prediction variant)", "remove it"),
     "optimizer_variants": Theme(
         "optimizer and precision variants",
         "an optimizer or precision variant (Muon, CPU offload, precision-aware optimizer "
         "state, fp16 cross-entropy, special weight-decay rules) Megatron-Hetero does not "
-        "build yet"),
+        "build yet", "remove it"),
     "checkpoint_variants": Theme(
         "checkpoint variants",
         "a checkpointing mode beyond Megatron-Hetero's torch_dist save/load (non-persistent or "
@@ -93,13 +116,13 @@ THEMES: dict[str, Theme] = {
         "--tokenizer-model and --vocab-size"),
     "logging_variants": Theme(
         "logging options",
-        "a logging or timing option Megatron-Hetero's logger does not produce"),
+        "a logging or timing option Megatron-Hetero's logger does not produce", "remove it"),
     "profiling": Theme("profiling", "Megatron-LM's torch/nsys profiler hooks and memory snapshots",
                        "not supported yet - remove it; profile with tools/profile_compute.py"),
     "run_control": Theme(
         "run control", "a run-control option (signals, skipped iterations, batch-size "
         "adjustment, process-group set-up, NaN and gradient checks, test modes) "
-        "Megatron-Hetero does not implement"),
+        "Megatron-Hetero does not implement", "remove it"),
     "resilience": Theme(
         "fault tolerance and resilience",
         "needs NVIDIA's resilience packages (straggler detector, nvidia-resiliency-ext fault "
@@ -131,19 +154,34 @@ REASONS: dict[str, str] = {
     "--batch-size": "removed from Megatron-LM; use --micro-batch-size",
     "--warmup": "removed from Megatron-LM; use --lr-warmup-fraction or --lr-warmup-iters",
     "--model-parallel-size": "removed from Megatron-LM; use --tensor-model-parallel-size",
-    "--checkpoint-activations": "removed from Megatron-LM (its replacement, "
-                                "--recompute-activations, is a performance feature of issue 2.2, "
-                                "not supported yet) - remove it",
-    "--tiktoken-special-tokens": "deprecated alias of --tokenizer-special-tokens, which is not "
-                                 "supported yet - remove it",
-    "--no-weight-decay-cond-type": "deprecated alias of --apply-wd-to-qk-layernorm, which is not "
-                                   "supported yet - remove it",
+    "--checkpoint-activations": "removed from Megatron-LM; use --recompute-activations "
+                                "(its replacement)",
+    "--tiktoken-special-tokens": "deprecated alias of --tokenizer-special-tokens, which "
+                                 "Megatron-Hetero does not build yet - remove it",
+    "--no-weight-decay-cond-type": "deprecated alias of --apply-wd-to-qk-layernorm, which "
+                                   "Megatron-Hetero does not build yet - remove it",
     "--enable-cuda-graph": "deprecated alias of --cuda-graph-impl local; CUDA graphs are not "
                            "supported - remove it",
     "--external-cuda-graph": "deprecated alias of --cuda-graph-impl transformer_engine; CUDA "
                              "graphs are not supported - remove it",
+    "--expert-model-parallel-size": "expert parallelism (experts spread over ranks), which "
+                                    "heterogeneous plans do not place: every replica holds all "
+                                    "experts; remove it (Megatron-LM's default, "
+                                    "--expert-model-parallel-size 1, is accepted)",
+    "--tp-comm-overlap": "overlaps tensor-parallel communication with GEMMs through "
+                         "transformer-engine's userbuffers, which Megatron-Hetero does not "
+                         "initialise; remove it",
     "--use-legacy-models": "Megatron-LM's legacy (non-megatron-core) models are not supported; "
                            "Megatron-Hetero builds megatron-core's GPTModel - remove it",
+}
+
+# Flags arguments.py defines, because the runtime reads their value, but whose every value
+# other than Megatron-LM's default is refused at start-up (validate_args, configure_performance):
+# refused, under this theme. Given at the default they change nothing, as any refused flag.
+DEFAULT_ONLY: dict[str, str] = {
+    "--context-parallel-size": "context_parallel",
+    "--expert-model-parallel-size": "moe",
+    "--tp-comm-overlap": "overlap",
 }
 
 # Values of honoured flags that Megatron-LM accepts and Megatron-Hetero refuses, by name.
@@ -200,9 +238,11 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--ddp-average-in-collective", "--delay-wgrad-compute",
         "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit",
     ),
-    "parallelism": (
+    "pipeline_schedule": (
         "--microbatch-group-size-per-virtual-pipeline-stage",
         "--overlap-p2p-communication-warmup-flush", "--use-ring-exchange-p2p",
+    ),
+    "context_parallel": (
         "--hierarchical-context-parallel-sizes", "--cp-comm-type",
         "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank",
     ),
@@ -409,3 +449,18 @@ def duplicate_entries() -> list[str]:
         for flag in flags:
             seen[flag] = seen.get(flag, 0) + 1
     return sorted(f for f, n in seen.items() if n > 1)
+
+
+# ---- honoured flags whose default is not Megatron-LM's (tests check this list) ----------
+DEFAULT_DIFFERENCES: dict[str, str] = {
+    "--tensor-model-parallel-size": "none given: the plan decides (1 without a plan, as Megatron-LM)",
+    "--pipeline-model-parallel-size": "none given: the plan decides (1 without a plan, as Megatron-LM)",
+    "--transformer-impl": "none given: transformer_engine when it is installed (Megatron-LM's "
+                          "default), else local",
+    "--distributed-backend": "none given: nccl on GPUs (Megatron-LM's default), gloo on the CPU",
+    "--local-rank": "none given: the LOCAL_RANK environment variable, as torchrun sets it",
+    "--tokenizer-type": "none given: GPT2BPETokenizer, Megatron-LM's pretrain_gpt.py default "
+                        "(set when the flags are validated)",
+    "--eval-interval": "1000 (Megatron-LM core_v0.16.1 has no default and fails without it "
+                       "when training by iterations; 1000 was its earlier default)",
+}

@@ -1,0 +1,647 @@
+"""The cluster spec of a Slurm cluster, read from the cluster itself (`hetero-plan discover --slurm`).
+
+What comes from where:
+  nodes        `scontrol show node -o` (nodes of the chosen partitions that can take jobs:
+               down, drained, failing and powered-down nodes are left out, with a note)
+  device type  in this order: --device-map FEATURE=NAME on any of the node's labels; the
+               GPU names nvidia-smi/rocm-smi report on the node; its GPU GRES types and
+               features, each matched to the catalog by tokens (case-insensitive: "h100"
+               names H100-80GB, "nvidia_a100-sxm4-80gb" names A100-80GB). Labels naming no
+               catalog device ("ib", "skylake") are ignored; the device is the one every
+               naming label agrees on ("a100" + "80gb": A100-80GB). None, several ("a100":
+               A100-40GB or A100-80GB) or a conflict is an error naming the label and the
+               --device-map that settles it.
+  devices      the count of the node's gpu GRES (else what nvidia-smi/rocm-smi listed, else
+               --gpus-per-node)
+  NIC          a probe per node (`srun -w NODE -N1 -n1 sh -c ...`, all nodes at once):
+               active InfiniBand ports -> ib, active RoCE ports (RDMA over an Ethernet link
+               layer) -> roce, both at the sum of their ports' rates; else the fastest up
+               Ethernet interface (physical or bond; virtual ones only where the node has
+               nothing else, as on the emulated nodes' veth) -> ethernet at its speed.
+               --nic [SELECTOR=]KIND:GBPS overrides (SELECTOR: node, partition or feature);
+               with nothing found or --no-probe: ethernet 10 Gbit/s, with a note.
+  intra_link   the usual board of the device (INTRA_LINKS below); --intra-link DEVICE=LINK
+  groups       nodes sharing a fabric (--group-by): `topology` (Slurm's topology/tree: one
+               group per tree of switches, named after its top switch), `partition` (each
+               node in the smallest chosen partition holding it, so a catch-all partition
+               does not swallow the per-type ones), `device` (one per device type), `one`.
+               The default `auto` is topology where Slurm has one, else partition.
+  inter_group  every pair of groups: ethernet at the slower node NIC of the two (a cautious
+               default: Slurm does not know it), or --inter-group KIND:GBPS
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import yaml
+
+from hetero.errors import HeteroError
+from hetero.spec.catalog import DEVICES, INTRA_NODE_LINKS, NIC_KINDS
+from hetero.spec.cluster import Cluster
+from hetero.spec.devices import device_type_matches
+
+Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess]
+
+# The intra-node link of each catalog device's usual board (SXM/OAM where it has one).
+# PCIe versions of the same chip differ: --intra-link DEVICE=pcie4 for those.
+INTRA_LINKS = {
+    "V100-16GB": "nvlink2", "V100-32GB": "nvlink2",
+    "A100-40GB": "nvlink3", "A100-80GB": "nvlink3",
+    "A800-80GB": "nvlink-400", "H800": "nvlink-400",
+    "H100-80GB": "nvlink4", "H200": "nvlink4", "H20": "nvlink4",
+    "L40S": "pcie4", "RTX-4090": "pcie4",
+    "MI210": "xgmi", "MI250X": "xgmi", "MI300X": "xgmi",
+    "Ascend-910B": "hccs",
+}
+DEFAULT_NIC = ("ethernet", 10.0)
+# A node in any of these states cannot run the probe, nor the job the spec is planned for.
+UNAVAILABLE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE", "NOT_RESPONDING",
+               "POWERED_DOWN", "POWER_DOWN", "POWERING_DOWN", "POWERING_UP", "INVAL", "UNKNOWN",
+               "REBOOT_REQUESTED", "REBOOT_ISSUED", "MAINTENANCE", "MAINT"}
+GROUP_RULES = ("auto", "topology", "partition", "device", "one")
+
+# Run on every node by srun: what the node can tell of its NICs and GPUs, one fact a line.
+# POSIX sh and /sys only, so that it runs on any node (no Python or venv needed there).
+PROBE_SCRIPT = r"""
+echo "host=$(hostname)"
+for p in /sys/class/infiniband/*/ports/*; do
+  [ -e "$p/rate" ] || continue
+  d=${p#/sys/class/infiniband/}
+  echo "rdma=${d%%/*}/${p##*/}|$(cat "$p/link_layer" 2>/dev/null)|$(cat "$p/state" 2>/dev/null)|$(cat "$p/rate" 2>/dev/null)"
+done
+for n in /sys/class/net/*; do
+  i=${n##*/}
+  [ "$i" = lo ] && continue
+  kind=virtual
+  [ -e "$n/device" ] && kind=physical
+  [ -e "$n/bonding" ] && kind=bond
+  echo "net=$i|$(cat "$n/operstate" 2>/dev/null)|$(cat "$n/speed" 2>/dev/null)|$kind"
+done
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sed 's/^/gpu=/'
+fi
+if command -v rocm-smi >/dev/null 2>&1; then
+  rocm-smi --showproductname 2>/dev/null | sed -n 's/.*Card [Ss]eries:[[:space:]]*/gpu=/p'
+fi
+echo "end=1"
+"""
+
+
+# ----- what Slurm says ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gres:
+    name: str
+    type: str | None
+    count: int
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """One node as `scontrol show node -o` describes it."""
+
+    name: str
+    state: str
+    features: tuple[str, ...]
+    gres: tuple[Gres, ...]
+    partitions: tuple[str, ...]
+    address: str = ""
+
+    @property
+    def available(self) -> bool:
+        return not (set(re.split(r"[+*]", self.state.upper())) & UNAVAILABLE) and not self.state.endswith("*")
+
+    @property
+    def gpus(self) -> tuple[Gres, ...]:
+        return tuple(g for g in self.gres if g.name == "gpu")
+
+
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z_/]*)=")
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """KEY=VALUE pairs of one `scontrol show ... -o` line (values may hold spaces, as OS= and
+    Reason= do: a value runs up to the next KEY=)."""
+    matches = list(_KEY.finditer(line))
+    fields = {}
+    for m, after in zip(matches, matches[1:] + [None]):
+        fields[m.group(1)] = line[m.end():after.start() if after else len(line)].strip()
+    return fields
+
+
+def _split_top(text: str, separator: str = ",") -> list[str]:
+    """Splits at separators outside brackets and parentheses."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        if char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        if char == separator and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _none(value: str | None) -> str:
+    return "" if value in (None, "(null)", "N/A", "none", "") else value
+
+
+def parse_gres(text: str | None) -> tuple[Gres, ...]:
+    """`gpu:h100:4(S:0-1),gpu:2,nic:1` -> Gres entries (socket bindings dropped)."""
+    found = []
+    for item in _split_top(_none(text)):
+        parts = re.sub(r"\(.*\)$", "", item).split(":")
+        name, gtype, count = parts[0], None, "1"
+        if len(parts) == 2:
+            if parts[1].isdigit():
+                count = parts[1]
+            else:
+                gtype = parts[1]
+        elif len(parts) >= 3:
+            gtype, count = parts[1], parts[2]
+        digits = re.match(r"\d+", count)
+        found.append(Gres(name, gtype, int(digits.group()) if digits else 1))
+    return tuple(found)
+
+
+def parse_nodes(text: str) -> list[SlurmNode]:
+    """The nodes of `scontrol show node -o` (one node a line)."""
+    nodes = []
+    for line in text.splitlines():
+        if not line.startswith("NodeName="):
+            continue
+        f = parse_fields(line)
+        features = f.get("ActiveFeatures") or f.get("AvailableFeatures") or f.get("Features")
+        nodes.append(SlurmNode(
+            name=f["NodeName"],
+            state=f.get("State", "UNKNOWN"),
+            features=tuple(x for x in _split_top(_none(features)) if x),
+            gres=parse_gres(f.get("Gres")),
+            partitions=tuple(_split_top(_none(f.get("Partitions")))),
+            address=_none(f.get("NodeAddr")),
+        ))
+    return nodes
+
+
+def parse_partitions(text: str) -> list[str]:
+    """Partition names of `scontrol show partition -o`, in Slurm's order."""
+    return [parse_fields(line)["PartitionName"] for line in text.splitlines()
+            if line.startswith("PartitionName=")]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's host list syntax: `node[0-2,5],gpu[01-02]-x` -> node0 node1 node2 node5 gpu01-x gpu02-x."""
+    hosts: list[str] = []
+    for item in _split_top(text):
+        match = re.search(r"\[([^\]]*)\]", item)
+        if not match:
+            hosts.append(item)
+            continue
+        head, tail = item[:match.start()], item[match.end():]
+        for piece in match.group(1).split(","):
+            low, _, high = piece.partition("-")
+            width = len(low)
+            for i in range(int(low), int(high or low) + 1):
+                hosts += expand_hostlist(f"{head}{i:0{width}d}{tail}")
+    return hosts
+
+
+def parse_topology(text: str) -> dict[str, str]:
+    """node -> the top switch of its tree, from `scontrol show topology` (topology/tree).
+    Switches joined through upper switches form one tree: one fabric."""
+    switches: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        if line.strip().startswith("SwitchName="):
+            f = parse_fields(line.strip())
+            switches[f["SwitchName"]] = f
+    parent: dict[str, str] = {}
+    for name, f in switches.items():
+        for child in expand_hostlist(_none(f.get("Switches"))):
+            parent[child] = name
+
+    def top(switch: str) -> str:
+        seen = set()
+        while switch in parent and switch not in seen:
+            seen.add(switch)
+            switch = parent[switch]
+        return switch
+
+    islands = {}
+    for name, f in switches.items():
+        for node in expand_hostlist(_none(f.get("Nodes"))):
+            islands.setdefault(node, top(name))
+    return islands
+
+
+# ----- what a node says about itself -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    host: str = ""
+    gpus: tuple[str, ...] = ()
+    rdma: tuple[tuple[str, str, str, float], ...] = ()
+    """(device/port, link layer, state, Gbit/s)"""
+    net: tuple[tuple[str, str, float, str], ...] = ()
+    """(interface, operstate, Gbit/s or 0 when unknown, physical|bond|virtual)"""
+    complete: bool = False
+
+
+def parse_probe(text: str) -> Probe:
+    host, gpus, rdma, net, complete = "", [], [], [], False
+    for line in text.splitlines():
+        key, _, value = line.strip().partition("=")
+        if key == "host":
+            host = value
+        elif key == "gpu" and value.strip():
+            gpus.append(value.strip())
+        elif key == "rdma":
+            port, layer, state, rate = (value.split("|") + ["", "", ""])[:4]
+            gbps = re.match(r"\s*([0-9.]+)\s*Gb", rate)
+            rdma.append((port, layer.strip(), state.strip(), float(gbps.group(1)) if gbps else 0.0))
+        elif key == "net":
+            name, state, speed, kind = (value.split("|") + ["", "", ""])[:4]
+            mbit = int(speed) if speed.strip().lstrip("-").isdigit() else 0
+            net.append((name, state.strip(), max(mbit, 0) / 1000, kind.strip()))
+        elif key == "end":
+            complete = True
+    return Probe(host, tuple(gpus), tuple(rdma), tuple(net), complete)
+
+
+def nic_of(probe: Probe) -> tuple[str, float, str] | None:
+    """(kind, Gbit/s per node, what was seen) of a probed node, or None when nothing tells."""
+    active = [(port, layer, gbps) for port, layer, state, gbps in probe.rdma if "ACTIVE" in state.upper() and gbps > 0]
+    for kind, layer in (("ib", "infiniband"), ("roce", "ethernet")):
+        ports = [(p, g) for p, lay, g in active if lay.lower() == layer]
+        if ports:
+            return kind, sum(g for _, g in ports), ", ".join(f"{p} {g:g} Gb/s" for p, g in ports)
+    up = [(name, gbps, kind) for name, state, gbps, kind in probe.net if state in ("up", "unknown") and gbps > 0]
+    real = [i for i in up if i[2] in ("physical", "bond")]
+    # A bond's speed is the sum of its members: take it rather than a member.
+    bonds = [i for i in real if i[2] == "bond"]
+    candidates = bonds or real or up
+    if not candidates:
+        return None
+    name, gbps, kind = max(candidates, key=lambda i: i[1])
+    return "ethernet", gbps, f"{name} {gbps:g} Gb/s ({kind})"
+
+
+# ----- labels to catalog devices -----------------------------------------------------------
+
+
+def _tokens(text: str) -> set[str]:
+    return {t for t in re.split(r"[^a-z0-9]+", text.lower()) if t}
+
+
+def catalog_matches(label: str) -> set[str]:
+    """Catalog devices a label names: every token of the catalog name in the label (a
+    driver's long name) or every token of the label in the catalog name (a short feature)."""
+    tokens = _tokens(label)
+    if not tokens:
+        return set()
+    return {name for name in DEVICES
+            if device_type_matches(name, label) or tokens <= _tokens(name)}
+
+
+@dataclass
+class DeviceResolution:
+    """A node's catalog device and what named it, or the problem that keeps it unknown."""
+
+    device: str | None = None
+    problem: str | None = None
+    """What is wrong, keyed so that nodes with the same problem are reported once."""
+    how: str = ""
+
+
+def resolve_device(node: SlurmNode, probe: Probe | None, device_map: dict[str, str]) -> DeviceResolution:
+    labels = list(dict.fromkeys([g.type for g in node.gpus if g.type] + list(node.features)))
+    mapped = {device_map[label.lower()] for label in [*labels, *(probe.gpus if probe else ())]
+              if label.lower() in device_map}
+    if len(mapped) == 1:
+        return DeviceResolution(mapped.pop(), how="--device-map")
+    if mapped:
+        return DeviceResolution(problem=f"--device-map gives it several devices ({', '.join(sorted(mapped))}) "
+                                   f"through its labels {', '.join(labels)}: map only one")
+    for source, names in (("nvidia-smi/rocm-smi", probe.gpus if probe else ()), ("GRES/features", labels)):
+        naming = {label: catalog_matches(label) for label in dict.fromkeys(names)}
+        naming = {label: found for label, found in naming.items() if found}
+        if not naming:
+            continue
+        agreed = set.intersection(*naming.values())
+        if len(agreed) == 1:
+            return DeviceResolution(agreed.pop(), how=f"{source} {', '.join(naming)}")
+        said = "; ".join(f"{label!r} names {' or '.join(sorted(found))}" for label, found in naming.items())
+        first = next(iter(naming))
+        choices = sorted(agreed or naming[first])
+        fix = f"say which with --device-map {first}={choices[0]}" + "".join(f" (or ={c})" for c in choices[1:])
+        what = "ambiguous device" if agreed else "conflicting device labels"
+        return DeviceResolution(problem=f"{what}: {said}; {fix}")
+    shown = ", ".join(repr(label) for label in labels) or "none"
+    return DeviceResolution(problem=f"cannot map its features/GRES types ({shown}) to a device of the catalog; "
+                               f"pass --device-map {labels[0] if labels else 'FEATURE'}=NAME with NAME one of "
+                               f"{', '.join(DEVICES)}")
+
+
+# ----- options and the whole run -----------------------------------------------------------
+
+
+@dataclass
+class DiscoverOptions:
+    partitions: list[str] = field(default_factory=list)
+    device_map: dict[str, str] = field(default_factory=dict)
+    """feature, GRES type or GPU name (any case) -> catalog device name"""
+    nics: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """selector ('' for every node, else a node, partition or feature) -> (kind, Gbit/s)"""
+    intra_links: dict[str, str] = field(default_factory=dict)
+    inter_group: tuple[str, float] | None = None
+    gpus_per_node: int | None = None
+    group_by: str = "auto"
+    probe: bool = True
+    probe_timeout_s: float = 120.0
+    name: str | None = None
+
+
+@dataclass
+class Discovery:
+    spec: dict
+    notes: list[str]
+    table: list[str]
+
+
+def _run(command: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(list(command), 124, "", f"no answer in {timeout:.0f} s")
+
+
+def _slurm(run: Runner, *command: str) -> str:
+    done = run(command, 60)
+    if done.returncode != 0:
+        raise HeteroError(f"`{' '.join(command)}` failed: {(done.stderr or done.stdout).strip()[:500]}\n"
+                          "check that slurmctld is up and that SLURM_CONF (or /etc/slurm/slurm.conf) is "
+                          "this cluster's configuration")
+    return done.stdout
+
+
+PROBES_AT_ONCE = 32  # srun requests in flight: enough to be quick, few enough for slurmctld
+
+
+def probe_nodes(nodes: list[tuple[str, str]], timeout: float) -> dict[str, tuple[Probe | None, str]]:
+    """Runs the probe on every (node, partition), PROBES_AT_ONCE at a time: node ->
+    (probe, error). timeout counts from each node's srun start (it may wait for the node)."""
+    waiting = list(nodes)
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    results: dict[str, tuple[Probe | None, str]] = {}
+    while waiting or running:
+        while waiting and len(running) < PROBES_AT_ONCE:
+            node, partition = waiting.pop(0)
+            command = ["srun", "--quiet", "-J", "hetero-discover", "-p", partition, "-w", node, "-N1", "-n1",
+                       "-t", "1", "sh", "-c", PROBE_SCRIPT]
+            running[node] = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              stdin=subprocess.DEVNULL), time.monotonic() + timeout)
+        for node, (proc, deadline) in list(running.items()):
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            del running[node]
+            if proc.poll() is None:
+                proc.terminate()  # srun cancels its job request on SIGTERM
+                try:
+                    proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
+                results[node] = (None, (f"no answer in {timeout:.0f} s (node busy? raise --probe-timeout, "
+                                        "or pass --no-probe with --nic)"))
+                continue
+            out, err = proc.communicate()
+            probe = parse_probe(out)
+            if proc.returncode != 0 or not probe.complete:
+                results[node] = (None, f"srun exited with {proc.returncode}: {err.strip()[:300]}")
+            else:
+                results[node] = (probe, "")
+        time.sleep(0.02)
+    return results
+
+
+@dataclass(frozen=True)
+class DiscoveredNode:
+    slurm: SlurmNode
+    home_partition: str
+    device: str
+    count: int
+    nic_kind: str
+    nic_gbps: float
+    device_from: str
+    nic_from: str
+
+
+def discover_slurm(options: DiscoverOptions, run: Runner = _run,
+                   probe: Callable[[list[tuple[str, str]], float], dict] = probe_nodes) -> Discovery:
+    """The cluster spec (a dict that Cluster.from_dict accepts) of the Slurm cluster the
+    Slurm commands on PATH talk to."""
+    device_map = _checked_device_map(options)
+    needed = ["scontrol"] + (["srun"] if options.probe else [])
+    missing = [c for c in needed if shutil.which(c) is None]
+    if missing:
+        raise HeteroError(
+            f"discover --slurm needs Slurm's {' and '.join(missing)} on PATH: run it on a node of the "
+            "cluster (a login node), or install the Slurm client (Debian: slurm-client) and point "
+            "SLURM_CONF at the cluster's slurm.conf" + (" (or pass --no-probe with --nic)" if missing == ["srun"] else ""))
+    notes: list[str] = []
+    homes = _available_nodes(options.partitions, run, notes)
+    probes = probe([(n.name, home) for n, home in homes.items()], options.probe_timeout_s) if options.probe else {}
+    found = _describe(homes, probes, device_map, options, notes)
+    rule, islands = _groups(options.group_by, found, run, notes)
+    spec = _spec(found, islands, options, _config_value(_slurm(run, "scontrol", "show", "config"), "ClusterName"))
+    if len(spec["groups"]) > 1 and not options.inter_group:
+        notes.append("inter_group links are ethernet at the slower node NIC of each pair (Slurm does not know "
+                     "them): pass --inter-group KIND:GBPS")
+    Cluster.from_dict(spec, "the discovered cluster")  # what we write must load
+    table = [f"{'node':<12} {'device':<12} {'count':>5}  {'nic':<22} {'group':<12} device from / nic from"]
+    for n in found:
+        nic = f"{n.nic_kind} {n.nic_gbps:g} Gb/s"
+        table.append(f"{n.slurm.name:<12} {n.device:<12} {n.count:>5}  {nic:<22} {islands[n.slurm.name]:<12} "
+                     f"{n.device_from} / {n.nic_from}")
+    return Discovery(spec, [f"groups by {rule}", *notes], table)
+
+
+def _checked_device_map(options: DiscoverOptions) -> dict[str, str]:
+    """The options' mistakes, named before anything is asked of Slurm; the device map by
+    lowercase label."""
+    device_map = {label.lower(): device for label, device in options.device_map.items()}
+    for label, device in device_map.items():
+        if device not in DEVICES:
+            raise HeteroError(f"--device-map {label}={device}: {device} is not a catalog device; use one of "
+                              f"{', '.join(DEVICES)}")
+    for device, link in options.intra_links.items():
+        if device not in DEVICES or link not in INTRA_NODE_LINKS:
+            raise HeteroError(f"--intra-link {device}={link}: give a catalog device ({', '.join(DEVICES)}) "
+                              f"and a link ({', '.join(INTRA_NODE_LINKS)})")
+    if options.group_by not in GROUP_RULES:
+        raise HeteroError(f"--group-by {options.group_by}: use one of {', '.join(GROUP_RULES)}")
+    return device_map
+
+
+def _available_nodes(wanted: list[str], run: Runner, notes: list[str]) -> dict[SlurmNode, str]:
+    """The available nodes of the wanted partitions (default: all), each with its home: the
+    smallest of those partitions holding it, the most specific one."""
+    partitions = parse_partitions(_slurm(run, "scontrol", "show", "partition", "-o"))
+    unknown = [p for p in wanted if p not in partitions]
+    if unknown:
+        raise HeteroError(f"partition {', '.join(unknown)} does not exist in this Slurm cluster; its partitions: "
+                          f"{', '.join(partitions) or 'none'} (sinfo -s lists them)")
+    chosen = list(dict.fromkeys(wanted)) or partitions
+    every = parse_nodes(_slurm(run, "scontrol", "show", "node", "-o"))
+    size = {p: sum(p in n.partitions for n in every) for p in chosen}
+    in_chosen = [n for n in every if set(n.partitions) & set(chosen)]
+    left_out = [f"{n.name} ({n.state})" for n in in_chosen if not n.available]
+    if left_out:
+        notes.append(f"left out, not available: {', '.join(left_out)}")
+    homes = {n: min((p for p in chosen if p in n.partitions), key=lambda p: (size[p], chosen.index(p)))
+             for n in in_chosen if n.available}
+    if not homes:
+        raise HeteroError(f"no available node in partition(s) {', '.join(chosen)}"
+                          + (f" (unavailable: {', '.join(left_out)})" if left_out else ""))
+    return homes
+
+
+def _describe(homes: dict[SlurmNode, str], probes: dict[str, tuple[Probe | None, str]],
+              device_map: dict[str, str], options: DiscoverOptions, notes: list[str]) -> list[DiscoveredNode]:
+    """Device type, count and NIC of every node; every node whose device is unclear named at once."""
+    problems: dict[str, list[str]] = {}
+    found = []
+    for node, home in homes.items():
+        probe, error = probes.get(node.name, (None, ""))
+        if error:
+            notes.append(f"{node.name}: probe failed: {error}")
+        resolved = resolve_device(node, probe, device_map)
+        count = sum(g.count for g in node.gpus) or (len(probe.gpus) if probe else 0) or options.gpus_per_node
+        if resolved.problem or not count:
+            problem = resolved.problem or "has no gpu GRES and no GPU its probe could see; pass --gpus-per-node N"
+            problems.setdefault(problem, []).append(node.name)
+            continue
+        kind, gbps, nic_from = _nic(node, probe, options)
+        found.append(DiscoveredNode(node, home, resolved.device, count, kind, gbps, resolved.how, nic_from))
+    if problems:
+        raise HeteroError("cannot tell the device type of every node:\n" + "\n".join(
+            f"  - node{'s' if len(names) > 1 else ''} {', '.join(names)}: {problem}"
+            for problem, names in problems.items()))
+    guessed = [n.slurm.name for n in found if n.nic_from.startswith("default")]
+    if guessed:
+        kind, gbps = DEFAULT_NIC
+        notes.append(f"NIC unknown on {', '.join(guessed)}: assumed {kind} {gbps:g} Gbit/s; pass --nic KIND:GBPS")
+    return found
+
+
+def _spec(found: list[DiscoveredNode], islands: dict[str, str], options: DiscoverOptions,
+          slurm_name: str) -> dict:
+    groups: dict[str, list[dict]] = {}
+    for n in found:
+        groups.setdefault(islands[n.slurm.name], []).append({
+            "host": n.slurm.name, "device": n.device, "count": n.count,
+            "intra_link": options.intra_links.get(n.device, INTRA_LINKS.get(n.device, "pcie4")),
+            "nic": {"kind": n.nic_kind, "gbps": _number(n.nic_gbps)}})
+    names = list(groups)
+    inter = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            kind, gbps = options.inter_group or ("ethernet", min(n["nic"]["gbps"] for n in groups[a] + groups[b]))
+            inter.append({"between": [a, b], "kind": kind, "gbps": _number(gbps)})
+    spec = {"name": options.name or slurm_name or "slurm",
+            "groups": [{"name": g, "nodes": nodes} for g, nodes in groups.items()]}
+    if inter:
+        spec["inter_group"] = inter
+    return spec
+
+
+def _nic(node: SlurmNode, probe: Probe | None, options: DiscoverOptions) -> tuple[str, float, str]:
+    for selector in (node.name, *node.partitions, *node.features, ""):
+        if selector in options.nics:
+            kind, gbps = options.nics[selector]
+            return kind, gbps, f"--nic {selector + '=' if selector else ''}{kind}:{gbps:g}"
+    seen = nic_of(probe) if probe else None
+    if seen:
+        return seen[0], seen[1], f"probe: {seen[2]}"
+    kind, gbps = DEFAULT_NIC
+    return kind, gbps, f"default ({'the probe found none' if probe else 'no probe'})"
+
+
+def _groups(rule: str, found: list[DiscoveredNode], run: Runner, notes: list[str]) -> tuple[str, dict[str, str]]:
+    """(the rule used, node -> group name)."""
+    if rule in ("auto", "topology"):
+        topology = run(["scontrol", "show", "topology"], 60)
+        islands = parse_topology(topology.stdout) if topology.returncode == 0 else {}
+        if islands:
+            outside = [n.slurm.name for n in found if n.slurm.name not in islands]
+            if outside:
+                notes.append(f"not in Slurm's topology, grouped by partition: {', '.join(outside)}")
+            return "topology (top switch of each tree)", {
+                n.slurm.name: islands.get(n.slurm.name) or n.home_partition for n in found}
+        if rule == "topology":
+            raise HeteroError("--group-by topology: this Slurm cluster has no topology (TopologyPlugin is not "
+                              "topology/tree); use --group-by partition, device or one")
+        rule = "partition"
+    if rule == "partition":
+        return "partition (the smallest chosen partition holding each node)", {
+            n.slurm.name: n.home_partition for n in found}
+    if rule == "device":
+        return "device type", {n.slurm.name: n.device for n in found}
+    return "one group", {n.slurm.name: "cluster" for n in found}
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
+def _config_value(text: str, key: str) -> str:
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == key:
+            return value.strip()
+    return ""
+
+
+# ----- argument values ---------------------------------------------------------------------
+
+
+def parse_nic(text: str) -> tuple[str, tuple[str, float]]:
+    """`[SELECTOR=]KIND:GBPS` -> (selector or '', (kind, gbps))."""
+    selector, _, value = text.rpartition("=")
+    kind, _, gbps = value.partition(":")
+    try:
+        rate = float(gbps)
+    except ValueError:
+        rate = 0.0
+    if kind not in NIC_KINDS or rate <= 0:
+        raise HeteroError(f"--nic {text}: expected [NODE|PARTITION|FEATURE=]KIND:GBPS with KIND one of "
+                          f"{', '.join(NIC_KINDS)} and GBPS > 0, e.g. --nic ib:400")
+    return selector, (kind, rate)
+
+
+def parse_mapping(flag: str, text: str) -> tuple[str, str]:
+    label, _, value = text.partition("=")
+    if not label or not value:
+        raise HeteroError(f"{flag} {text}: expected LABEL=NAME, e.g. {flag} a100=A100-80GB")
+    return label, value
+
+
+def spec_yaml(discovery: Discovery, command: str) -> str:
+    """The spec as YAML, headed by how it was made."""
+    header = [f"# Discovered from Slurm by `{command}`.",
+              "# Check the NICs and inter_group links: Slurm and the probe see only part of the network."]
+    header += [f"# {note}" for note in discovery.notes]
+    body = yaml.safe_dump(discovery.spec, sort_keys=False, default_flow_style=None, width=120)
+    return "\n".join(header) + "\n" + body
+
