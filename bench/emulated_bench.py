@@ -120,7 +120,7 @@ class Bench:
         self.log(f"{name}: profiling compute and links on the emulated cluster\n{emulated.describe()}")
         self.profile_compute(directory, cluster, emulated, tensor_parallel, micro_batch_sizes)
         self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), emulated),
-                 ["-m", "tools.profile_network", "-o", str(directory)], "link profile")
+                 ["-m", "megatron.hetero.profiling.network", "-o", str(directory)], "link profile")
         return Profiles.load_dir(directory), emulated
 
     def profile_compute(self, directory: Path, cluster: Cluster, like: EmulatedCluster,
@@ -128,7 +128,7 @@ class Bench:
                         repeats: int | None = None) -> Profiles:
         rounds = ["--repeats", str(repeats)] if repeats else []
         self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), like),
-                 ["-m", "tools.profile_compute", "-o", str(directory), "--micro-batch-sizes",
+                 ["-m", "megatron.hetero.profiling.compute", "-o", str(directory), "--micro-batch-sizes",
                   *map(str, micro_batch_sizes), "--tensor-parallel", *map(str, tensor_parallel), *rounds, "--",
                   *MODEL_FLAGS, *DATA_FLAGS],
                  "compute profile")

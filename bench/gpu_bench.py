@@ -14,7 +14,7 @@
 4. train: pretrain_gpt.py on the GPU (NCCL world of one) for several micro-batch sizes
    and recomputation modes; each run's measured iteration time and peak allocated memory
    beside the predictor's, from the curve alone and from a profile of real layers taken
-   first (tools/profile_compute.py).
+   first (megatron/hetero/profiling/compute.py).
 
 Writes DIR/gpu_bench.json and prints tables. Needs CUDA and a build of hetero_comm._comm_ext.
 """
@@ -258,8 +258,9 @@ def bench_train(out: Path) -> list[dict]:
     from hetero.spec.profiles import Profiles
 
     profile_dir = out / "profiles"
-    subprocess.run([sys.executable, "-m", "tools.profile_compute", "--device-type", DEVICE_TYPE, "-o", str(profile_dir),
-                    "--micro-batch-sizes", "1", "2", "4", "--", *MODEL_FLAGS, *DATA_FLAGS], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "megatron.hetero.profiling.compute", "--device-type", DEVICE_TYPE,
+                    "-o", str(profile_dir), "--micro-batch-sizes", "1", "2", "4", "--", *MODEL_FLAGS, *DATA_FLAGS],
+                   cwd=REPO, check=True)
     cluster, spec, profiles = cluster_of_one(), model_spec(), Profiles.load_dir(profile_dir)
     rows = []
     print("| micro-batch | recompute | measured s | curve s (error) | profile s (error) | "

@@ -60,9 +60,9 @@ logged() {
 PROFILE_ARGS=()
 if [ "$EMULATED" = 1 ]; then
   echo "== profiling the emulated cluster: layers per device at TP 1 and 2, links =="
-  logged "$OUT/profile_compute.log" python -m tools.emulator --cluster "$CLUSTER" -- -m tools.profile_compute \
+  logged "$OUT/profile_compute.log" python -m tools.emulator --cluster "$CLUSTER" -- -m megatron.hetero.profiling.compute \
     -o "$OUT/profiles" --micro-batch-sizes 2 --tensor-parallel 1 2 -- "${GPT_ARGS[@]}" "${DATA_ARGS[@]}"
-  logged "$OUT/profile_network.log" python -m tools.emulator --cluster "$CLUSTER" -- -m tools.profile_network \
+  logged "$OUT/profile_network.log" python -m tools.emulator --cluster "$CLUSTER" -- -m megatron.hetero.profiling.network \
     -o "$OUT/profiles"
   PROFILE_ARGS=(--profiles "$OUT/profiles")
   echo

@@ -4,6 +4,7 @@
         [--profiles DIR] -o plan.json [--timeline plan.png]
     hetero-plan explain plan.json [--timeline plan.png] [--memory]
     hetero-plan discover --slurm [--partition P ...] [--device-map FEATURE=NAME ...] -o cluster.yaml
+    hetero-plan profile --slurm --cluster cluster.yaml -o profiles/ -- <the model's Megatron flags>
 
 (also `python -m hetero ...`)
 """
@@ -21,7 +22,7 @@ from hetero.predict.costs import RECOMPUTE_MODES, TrainingSetup
 from hetero.report import (measured_against_predicted, measured_iteration_times_s, memory_table, summary,
                            timeline_png)
 from hetero.search.planner import PlannerOptions
-from hetero.spec import discover
+from hetero.spec import discover, profile_slurm
 from hetero.spec.cluster import Cluster
 from hetero.spec.model import ModelSpec, load_model
 from hetero.spec.profiles import Profiles
@@ -89,8 +90,9 @@ def _plan_command(argv: Sequence[str]) -> int:
         if missing and not args.roofline_for_missing:
             raise HeteroError(
                 f"--profiles {args.profiles} has no {args.precision or 'bf16'} compute profile of this model "
-                f"shape for {', '.join(missing)}; measure them with tools/profile_compute.py, or "
-                "pass --roofline-for-missing to estimate them from the catalog"
+                f"shape for {', '.join(missing)}; measure them with `hetero-plan profile --slurm` (or "
+                "python -m megatron.hetero.profiling.compute), or pass --roofline-for-missing to estimate "
+                "them from the catalog"
             )
     setup = TrainingSetup(precision=args.precision or "bf16",
                           distributed_optimizer=not args.no_distributed_optimizer,
@@ -187,6 +189,49 @@ def _discover_command(argv: Sequence[str]) -> int:
     return 0
 
 
+def _profile_command(argv: Sequence[str]) -> int:
+    own, model_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(
+        prog="hetero-plan profile",
+        description="Measure the profiles --profiles reads on one node of each device class of a Slurm cluster "
+                    "(hetero/spec/profile_slurm.py, docs/slurm.md). The model's Megatron flags follow `--`.")
+    p.add_argument("--slurm", action="store_true", required=True,
+                   help="run the profilers through srun on the cluster that scontrol/srun on PATH talk to")
+    p.add_argument("--cluster", required=True, help="cluster spec whose hosts are Slurm nodes (discover --slurm)")
+    p.add_argument("-o", "--output-dir", required=True, help="profile directory, on storage every node sees")
+    p.add_argument("--partition", action="append", default=[], metavar="P",
+                   help="repeat: each node runs in the first of these that holds it (default: Slurm's default "
+                        "partition, else the node's first)")
+    p.add_argument("--account", default=None)
+    p.add_argument("--time", default=None, help="time limit of every step (srun --time)")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1],
+                   help="degrees to profile (each node: those dividing its devices)")
+    p.add_argument("--repeats", type=int, default=16, help="timed rounds of every layer count (median)")
+    p.add_argument("--one-size-at-a-time", action="store_true",
+                   help="one micro-batch size's models in memory at a time")
+    p.add_argument("--message-mib", type=float, default=8.0, help="link bandwidth message size")
+    p.add_argument("--rounds", type=int, default=5, help="link measurement rounds")
+    p.add_argument("--master-port", type=int, default=29500, help="the profilers' rendezvous port (and the next)")
+    p.add_argument("--python", default=sys.executable, help="the Python of the environment on the nodes")
+    args = p.parse_args(own)
+    options = profile_slurm.ProfileOptions(
+        cluster=args.cluster, output_dir=args.output_dir, model_flags=model_flags, partitions=args.partition,
+        account=args.account, time=args.time, micro_batch_sizes=tuple(args.micro_batch_sizes),
+        tensor_parallel=tuple(args.tensor_parallel), repeats=args.repeats,
+        one_size_at_a_time=args.one_size_at_a_time, message_mib=args.message_mib, rounds=args.rounds,
+        master_port=args.master_port, python=args.python)
+    try:
+        written = profile_slurm.profile_slurm(options, progress=lambda line: print(line, file=sys.stderr,
+                                                                                   flush=True))
+    except KeyboardInterrupt:
+        print("hetero-plan profile: stopped; the steps were cancelled and nothing was written", file=sys.stderr)
+        return 130
+    print(f"hetero-plan profile: wrote {', '.join(str(path) for path in written)}; plan with "
+          f"--cluster {args.cluster} --profiles {args.output_dir}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -194,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _explain_command(argv[1:])
         if argv and argv[0] == "discover":
             return _discover_command(argv[1:])
+        if argv and argv[0] == "profile":
+            return _profile_command(argv[1:])
         return _plan_command(argv)
     except HeteroError as err:
         print(f"error: {err}", file=sys.stderr)

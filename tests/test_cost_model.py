@@ -85,7 +85,7 @@ def _kendall(xs: list[float], ys: list[float]) -> float:
 
 def _profiles_with_variation(cluster: Cluster, model: ModelSpec, precision: str, cv: float) -> Profiles:
     """Compute profiles holding the catalog's own layer timings, and micro-batches that vary
-    by the fraction cv (what tools/profile_compute.py measures)."""
+    by the fraction cv (what megatron/hetero/profiling/compute.py measures)."""
     costs = CostModel(cluster, model, TrainingSetup(precision))
     profiles = []
     for device in cluster.devices:

@@ -444,3 +444,36 @@ def test_a_real_launch_names_every_refused_flag_and_stops():
     assert "[launch rank 0] error: 1 flag(s) Megatron-Hetero cannot run:" in result.stderr
     assert "  --fp8-format: FP8/FP4 training needs transformer-engine" in result.stderr
     assert "--sequence-parallel" not in result.stderr and "Traceback" not in result.output
+
+
+# ----- GPU-only choices on the CPU: substituted, one note ---------------------------------
+
+GPU_CHOICES = ["--transformer-impl", "transformer_engine", "--attention-backend", "flash",
+               "--distributed-backend", "nccl", "--no-bias-gelu-fusion",
+               "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]
+MOE_GPU_CHOICES = ["--num-experts", "4", "--disable-bias-linear", "--moe-grouped-gemm",
+                   "--moe-permute-fusion", "--moe-router-fusion"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU's substitutions")
+def test_gpu_only_choices_run_as_their_cpu_equivalents():
+    args = configure(BASE + GPU_CHOICES + MOE_GPU_CHOICES, 1).args
+    assert (args.transformer_impl, args.attention_backend, args.distributed_backend,
+            args.cross_entropy_fusion_impl) == ("local", "local", "gloo", "native")
+    assert not (args.moe_grouped_gemm or args.moe_permute_fusion or args.moe_router_fusion)
+    from megatron.hetero.cpu_device import substitution_note
+
+    note = substitution_note(args.cpu_substitutions)
+    for said in ("--transformer-impl transformer_engine -> local", "--attention-backend flash -> local",
+                 "--distributed-backend nccl -> gloo", "--cross-entropy-fusion-impl te -> native",
+                 "--moe-grouped-gemm ->", "--moe-permute-fusion ->", "--moe-router-fusion ->",
+                 "--no-bias-gelu-fusion: no effect"):
+        assert said in note
+    assert substitution_note(configure(BASE, 1).args.cpu_substitutions) is None
+
+
+@pytest.mark.parametrize("flag", ["--fp8-format", "--cuda-graph-impl", "--tp-comm-overlap-cfg",
+                                  "--te-rng-tracker", "--use-sharp"])
+def test_gpu_only_choices_without_a_cpu_equivalent_stay_refused(flag):
+    assert TABLE[flag].status is flags.Status.REFUSED
+    assert TABLE[flag].theme in ("low_precision", "gpu_runtime", "overlap")

@@ -29,7 +29,6 @@ def test_moe_with_uneven_stages_and_unequal_replicas_trains_as_one_process(tmp_p
 @pytest.mark.parametrize("extra, fragment", [
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: expert parallelism"),
     (["--moe-token-dispatcher-type", "flex"], "flex needs DeepEP"),
-    (["--moe-grouped-gemm"], "--moe-grouped-gemm needs transformer-engine"),
     (["--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1 and --num-experts 4"),
 ])
 def test_moe_flags_refused_by_name(extra, fragment):

@@ -122,7 +122,6 @@ def test_per_stage_recomputation_overrides_the_flags():
     (["--overlap-param-gather", "--use-distributed-optimizer"], "needs --overlap-grad-reduce"),
     (["--tp-comm-overlap"], "--tp-comm-overlap overlaps tensor-parallel communication"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2 needs transformer-engine"),
-    (["--attention-backend", "flash"], "--attention-backend flash is transformer-engine's attention"),
 ])
 def test_refused_performance_flags_name_the_reason(flags, fragment):
     plan = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1])

@@ -24,7 +24,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 @pytest.mark.slow
 @pytest.mark.parametrize("order", [[], ["--one-size-at-a-time"]], ids=["sizes-in-turns", "one-size-at-a-time"])
 def test_compute_profile_feeds_the_predictor(tmp_path, order):
-    done = subprocess.run([sys.executable, "-m", "tools.profile_compute", "-o", str(tmp_path), "--device-type",
+    done = subprocess.run([sys.executable, "-m", "megatron.hetero.profiling.compute", "-o", str(tmp_path), "--device-type",
                            "cpu-fast", "--micro-batch-sizes", "1", "4", "--repeats", "3", *order, "--", *TINY],
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
@@ -58,7 +58,7 @@ def test_network_profile_inside_the_emulated_cluster(tmp_path):
     emulated = EmulatedCluster(cluster, RankLayout.of_cluster(cluster), net_scale=0.05,  # 400 Mbit/s NICs
                                run_id=70000 + os.getpid() % 9000)
     with emulated:
-        result = emulated.run(["-m", "tools.profile_network", "-o", str(tmp_path), "--message-mib", "2",
+        result = emulated.run(["-m", "megatron.hetero.profiling.network", "-o", str(tmp_path), "--message-mib", "2",
                                "--rounds", "3", "--allreduce-mib", "1"], echo=False, timeout=180)
     assert result.returncode == 0, result.output[-3000:]
     assert "[links 3/3] node-fast <-> node-slow" in result.output

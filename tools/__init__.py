@@ -1,6 +1,7 @@
-"""Tools around the planner: profilers that feed the predictor and the emulated cluster.
+"""Tools around the planner: the emulated cluster and document generators.
 
     python -m tools.emulator      run a plan on this machine as if it were the cluster
-    python -m tools.profile_compute  per-layer forward/backward time on the local device
-    python -m tools.profile_network  link bandwidth/latency between the plan's hosts
+
+The profilers that feed the predictor are installed with the runtime:
+megatron/hetero/profiling/ (python -m megatron.hetero.profiling.compute / .network).
 """

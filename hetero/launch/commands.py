@@ -2,6 +2,7 @@
 
     python -m hetero.launch plan.json -- --num-layers 32 ...      # print every node's command
     python -m hetero.launch plan.json --node-rank 1 --run -- ...  # run node 1's command here
+    python -m hetero.launch --slurm plan.json --submit -- ...     # a Slurm batch job (slurm.py)
 
 torchrun numbers ranks node by node, so launch ranks of one host are consecutive (the
 plan validator insists on it) and node k runs launch ranks of the k-th host in the plan.
@@ -19,6 +20,7 @@ from typing import Sequence
 
 from hetero import env as hetero_env
 from hetero.errors import HeteroError
+from hetero.launch import slurm
 from hetero.plan import Plan
 
 
@@ -98,7 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="set HETERO_DEVICE so CPU processes stand in for the plan's devices")
     parser.add_argument("--node-rank", type=int, default=None, help="only this node")
     parser.add_argument("--run", action="store_true", help="run the command of --node-rank here")
+    parser.add_argument("--slurm", action="store_true",
+                        help="write (--submit: and submit) a Slurm batch script whose driver runs and "
+                             "keeps the job alive (hetero/launch/slurm.py)")
+    slurm.add_arguments(parser)
     options = parser.parse_args(argv)
+    if options.slurm or slurm.slurm_options_given(options):
+        return slurm.main(options, train_args)
     try:
         plan = Plan.load(options.plan)
         commands = node_commands(

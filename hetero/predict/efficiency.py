@@ -20,7 +20,7 @@ dimension n:
   reach about 70% and 60%.
 - half_size: the dimension at which half of that is reached.
 
-Profiles (measured per-layer times, tools/profile_compute.py) replace all of this.
+Profiles (measured per-layer times, megatron/hetero/profiling/compute.py) replace all of this.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Peak figures are dense (no sparsity) bf16 tensor-core rates, fp16 where a device
 bf16. Each device lists the 16/8-bit precisions its matrix units support (fp32 runs
 everywhere): bf16 arrived with Ampere (NVIDIA) and CDNA2 (AMD), fp8 with Hopper/Ada and
 CDNA3; the planner picks the job's precision from these. They are upper bounds; the predictor multiplies them by an efficiency and measured
-profiles (tools/profile_compute.py, tools/profile_network.py) replace them. A cluster spec can override or add devices.
+profiles (megatron/hetero/profiling/: compute.py, network.py) replace them. A cluster spec can override or add devices.
 """
 
 from __future__ import annotations

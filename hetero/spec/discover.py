@@ -395,6 +395,12 @@ def _slurm(run: Runner, *command: str) -> str:
     return done.stdout
 
 
+def scontrol_show(what: str, run: Runner = _run) -> str:
+    """`scontrol show WHAT -o` of the Slurm cluster that scontrol on PATH talks to (node,
+    partition: parse_nodes, parse_fields read it); a failure names the likely cause."""
+    return _slurm(run, "scontrol", "show", what, "-o")
+
+
 PROBES_AT_ONCE = 32  # srun requests in flight: enough to be quick, few enough for slurmctld
 
 

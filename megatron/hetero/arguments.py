@@ -24,7 +24,7 @@ from megatron.hetero import flags
 
 # Megatron-LM flags that only choose fused kernels: speed, not the model. On GPUs they keep
 # their meaning where megatron-core's local or transformer-engine layers offer the kernel;
-# on the CPU no fused kernel exists and they have no effect (the start-up log says so).
+# on the CPU no fused kernel exists and they have no effect (the start-up note says so).
 _KERNEL_TUNING_FLAGS = (
     "--no-masked-softmax-fusion",
     "--no-bias-gelu-fusion",
@@ -282,6 +282,12 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="all experts of a layer in one grouped GEMM (needs a GPU build)")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="fused token permutation (transformer-engine's kernel on GPUs; the CPU "
+                        "permutes unfused, same result)")
+    g.add_argument("--moe-router-fusion", action="store_true",
+                   help="fused router top-k and scores (transformer-engine's kernel on GPUs; the "
+                        "CPU runs them unfused, same result)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
                    choices=["allgather", "alltoall", "flex"])
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -467,6 +473,10 @@ def validate_args(args: argparse.Namespace) -> None:
     """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "global_batch_size", "lr")
+    from megatron.hetero.cpu_device import substitute_gpu_choices
+
+    # First: the checks below then see the layers, attention and experts that will run.
+    args.cpu_substitutions = substitute_gpu_choices(args, used_kernel_tuning_flags(args))
     _validate_schedule(args)
     _validate_model_shape(args)
     _validate_moe(args)
@@ -607,20 +617,16 @@ def _validate_moe(args: argparse.Namespace) -> None:
     if args.moe_token_dispatcher_type == "flex":
         raise HeteroError("--moe-token-dispatcher-type flex needs DeepEP on NVIDIA GPUs; use "
                           "alltoall or allgather")
-    if args.moe_grouped_gemm and not grouped_gemm_available():
+    if args.moe_grouped_gemm and not grouped_gemm_available():  # on a GPU (the CPU substitutes)
         raise HeteroError(
-            "--moe-grouped-gemm needs transformer-engine (TEGroupedMLP) on a GPU or the "
-            "grouped_gemm package; neither is available here - remove the flag (the experts then "
-            "run one after another, same result)")
+            "--moe-grouped-gemm needs transformer-engine (TEGroupedMLP) or the grouped_gemm "
+            "package on this GPU; neither is installed - install one, or remove the flag (the "
+            "experts then run one after another, same result)")
 
 
 def grouped_gemm_available() -> bool:
     import importlib.util
 
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
     return any(importlib.util.find_spec(name) is not None
                for name in ("transformer_engine", "grouped_gemm"))
 

@@ -230,3 +230,54 @@ def keep_freed_memory() -> bool:
     mallopt = _glibc_mallopt()
     return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
         mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+# GPU-only kernel and implementation choices whose computation megatron-core also runs on
+# the CPU: (flag, the value given, what runs instead). A GPU recipe then starts unchanged on
+# a CPU machine (tests, the emulated cluster), and the start-up says once what ran instead.
+# Choices without a CPU equivalent (FP8/FP4, CUDA graphs, NCCL-only tuning) stay refused by
+# the flag catalog.
+_TE_ATTENTION = ("flash", "fused", "unfused")
+
+
+def substitute_gpu_choices(args: Any, kernel_flags: list[str]) -> list[str]:
+    """On a process without a GPU, replaces the GPU-only choices in ``args`` by their CPU
+    equivalents and returns one phrase per substitution (empty where a GPU is visible).
+
+    ``kernel_flags``: the given flags that only turn fused kernels off; the CPU runs none,
+    so they are listed too (nothing to replace)."""
+    if torch.cuda.is_available():
+        return []
+    done: list[str] = []
+    if args.transformer_impl == "transformer_engine":
+        args.transformer_impl = "local"
+        done.append("--transformer-impl transformer_engine -> local (megatron-core's own layers)")
+    if args.attention_backend in _TE_ATTENTION:
+        done.append(f"--attention-backend {args.attention_backend} -> local (megatron-core's "
+                    "DotProductAttention; the backend only picks transformer-engine's kernel)")
+        args.attention_backend = "local"
+    if getattr(args, "moe_grouped_gemm", False):
+        args.moe_grouped_gemm = False
+        done.append("--moe-grouped-gemm -> experts one after another (megatron-core's "
+                    "SequentialMLP, the same computation)")
+    for name, what in (("moe_permute_fusion", "token permutation"), ("moe_router_fusion", "router")):
+        if getattr(args, name, False):
+            setattr(args, name, False)
+            done.append(f"--{name.replace('_', '-')} -> megatron-core's unfused {what}")
+    if args.distributed_backend == "nccl":
+        args.distributed_backend = "gloo"
+        done.append("--distributed-backend nccl -> gloo")
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        args.cross_entropy_fusion_impl = "native"
+        done.append("--cross-entropy-fusion-impl te -> native (megatron-core's own fused "
+                    "cross-entropy)")
+    if kernel_flags:
+        done.append(f"{', '.join(kernel_flags)}: no effect (no fused kernels on the CPU)")
+    return done
+
+
+def substitution_note(done: list[str]) -> str | None:
+    """The one start-up line listing the substitutions (None when there were none)."""
+    if not done:
+        return None
+    return "GPU-only choices run as their CPU equivalents on this process: " + "; ".join(done)

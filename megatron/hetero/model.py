@@ -106,6 +106,8 @@ def _moe_config(args: argparse.Namespace) -> dict:
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_permute_fusion=args.moe_permute_fusion,
+        moe_router_fusion=args.moe_router_fusion,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         expert_model_parallel_size=args.expert_model_parallel_size,
     )

@@ -72,6 +72,22 @@ def _torch_adam_fallback() -> bool:
     return not distrib_optimizer.HAVE_APEX_OR_TE
 
 
+def _fresh_adam_states(optimizer) -> None:
+    """The per-parameter state torch's Adam/AdamW creates lazily at the first step."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def _apply_distributed_optimizer_load() -> object:
     import torch
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -83,6 +99,12 @@ def _apply_distributed_optimizer_load() -> object:
             # torch's Adam creates per-parameter state at its first step; give it some
             # (the way megatron-core does for its FSDP path), to be overwritten by the load.
             self._init_optimizer_states_with_dummy_values()
+        elif not is_loading and not self.optimizer.state:
+            # Saved before any step was taken (fp16 skips its first steps while the loss
+            # scale comes down): megatron-core reads each state's "step". Give every
+            # parameter the state torch's Adam would create at its first step (zeros,
+            # step 0), so the saved and the continuing run are the ones without the save.
+            _fresh_adam_states(self.optimizer)
         return original(self, model_sharded_state_dict or {}, is_loading=is_loading, **kwargs)
 
     copy_states = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -396,7 +418,9 @@ PATCHES: tuple[Patch, ...] = (
             "state before its first step (filled first, as megatron-core does for FSDP); the "
             "per-parameter copy expects a 'step' the format keeps in the param groups; and the "
             "restored 'step' is one tensor shared by all parameters, which Adam increments once "
-            "per parameter (each gets its own)"
+            "per parameter (each gets its own). Saving before Adam's first step (fp16 skips "
+            "its first steps while the loss scale comes down) fails megatron-core's read of "
+            "each state's 'step': the states Adam would create (zeros, step 0) are filled first"
         ),
         needed=_torch_adam_fallback,
         apply=_apply_distributed_optimizer_load,

@@ -17,8 +17,8 @@ each step is one function below:
 
 Who runs which: pretrain_gpt.py (``pretrain.main``) runs 1-2, then ``training.run`` runs 3-4,
 starts its watchdog (which reports any later failure to every rank), runs 5-6 and trains;
-tools/profile_compute.py runs 1, ``model_args``, 3, its own world of profiling processes,
-then 6 per probed depth; ``model_spec_of_flags`` (benches that predict a run before
+``profiling.compute`` runs 1, ``model_args``, 3, its own world of profiling processes, then 6
+per probed depth; ``model_spec_of_flags`` (benches that predict a run before
 launching it) runs ``model_args`` only. Nothing else repeats a step.
 """
 

@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.hetero import adapt, data, distributed, startup
 from megatron.core.timers import Timers
-from megatron.hetero.arguments import used_kernel_tuning_flags
+from megatron.hetero.cpu_device import substitution_note
 from megatron.hetero.batch_schedule import BatchSchedule
 from megatron.hetero.checkpointing import (
     finalize_pending_saves,
@@ -592,9 +592,9 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
         print_rank_0(f"WARNING: {note}")
     for line in performance_startup_lines(args, plan, resolve_transformer_impl(args)):
         print_rank_0(line)
-    kernel_flags = used_kernel_tuning_flags(args)
-    if kernel_flags and not torch.cuda.is_available():
-        print_rank_0(f"> {', '.join(kernel_flags)}: no effect on the CPU (no fused kernels)")
+    note = substitution_note(getattr(args, "cpu_substitutions", []))
+    if note:  # one line for every GPU-only choice the CPU replaced (cpu_device.py)
+        print_rank_0(f"> {note}")
 
 
 def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: Launch) -> None:

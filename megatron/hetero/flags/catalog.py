@@ -86,8 +86,9 @@ THEMES: dict[str, Theme] = {
     "moe": Theme(
         "MoE options beyond the supported set",
         "a mixture-of-experts option beyond --num-experts, --moe-router-topk, "
-        "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-grouped-gemm and "
-        "--moe-token-dispatcher-type at expert-parallel size 1"),
+        "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-grouped-gemm, "
+        "--moe-permute-fusion, --moe-router-fusion and --moe-token-dispatcher-type at "
+        "expert-parallel size 1"),
     "mla": Theme("multi-latent attention", "multi-latent attention (DeepSeek's MLA)"),
     "attention_variants": Theme(
         "experimental attention variants",
@@ -118,7 +119,7 @@ THEMES: dict[str, Theme] = {
         "logging options",
         "a logging or timing option Megatron-Hetero's logger does not produce", "remove it"),
     "profiling": Theme("profiling", "Megatron-LM's torch/nsys profiler hooks and memory snapshots",
-                       "not supported yet - remove it; profile with tools/profile_compute.py"),
+                       "not supported yet - remove it; profile with megatron.hetero.profiling.compute"),
     "run_control": Theme(
         "run control", "a run-control option (signals, skipped iterations, batch-size "
         "adjustment, process-group set-up, NaN and gradient checks, test modes) "
@@ -295,7 +296,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--moe-use-legacy-grouped-gemm", "--moe-z-loss-coeff", "--moe-input-jitter-eps",
         "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-per-layer-logging",
         "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity",
-        "--moe-token-drop-policy", "--moe-permute-fusion", "--moe-router-fusion",
+        "--moe-token-drop-policy",
         "--moe-apply-probs-on-input", "--moe-latent-size", "--moe-deepep-num-sms",
         "--moe-hybridep-num-sms", "--moe-layer-freq", "--moe-use-upcycling",
         "--moe-upcycling-granularity", "--moe-pad-experts-for-cuda-graph-inference",

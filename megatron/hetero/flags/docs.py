@@ -76,9 +76,14 @@ no-op below; adding `--hetero-plan plan.json` runs it under a heterogeneous plan
 - A flag that is not Megatron-LM's is an error; "did you mean" is offered only for a real
   typo (`--hiden-size`, `--tensor-parallel-size`), never for a flag of another unit or
   feature (`--lr-warmup-tokens` suggests nothing).
-- GPU-only values on a CPU machine (tests, the emulated cluster) need one substitution
-  each: `--transformer-impl local` for `transformer_engine`, `--distributed-backend gloo`
-  for `nccl`; leaving those flags out picks them automatically.
+- GPU-only kernel and implementation choices run on a CPU machine (tests, the emulated
+  cluster) as their CPU equivalents, with no edit and one start-up note listing them:
+  `--transformer-impl transformer_engine` (megatron-core's local layers),
+  `--attention-backend flash|fused|unfused` (megatron-core's DotProductAttention),
+  `--moe-grouped-gemm` (SequentialMLP), `--moe-permute-fusion` and `--moe-router-fusion`
+  (unfused), `--cross-entropy-fusion-impl te` (native), `--distributed-backend nccl`
+  (gloo), and the `--no-*-fusion` kernel switches (the CPU runs no fused kernel). Choices
+  without a CPU equivalent (FP8/FP4, CUDA graphs, NCCL-only tuning) are refused by name.
 - Flags the plan also fixes (`--tensor-model-parallel-size`,
   `--pipeline-model-parallel-size`, `--micro-batch-size`, `--global-batch-size`,
   `--num-layers`) may stay in the script; each must agree with the plan.

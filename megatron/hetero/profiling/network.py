@@ -1,13 +1,15 @@
 """Link profile between the hosts of a job, in the predictor's format.
 
-    torchrun ... -m tools.profile_network -o profiles/          # on a real cluster
-    python -m tools.emulator --cluster C.yaml -- -m tools.profile_network -o profiles/
+    torchrun ... -m megatron.hetero.profiling.network -o profiles/          # on a real cluster
+    python -m tools.emulator --cluster C.yaml -- -m megatron.hetero.profiling.network -o profiles/
 
 For every pair of hosts (and every host with itself, when it runs two ranks or more) the
 ranks of the two hosts pair up and ping-pong at once - the NIC shared as in training - to
 time one device pair's bandwidth (large messages) and latency (small messages). Then an
 all-reduce over every rank is timed at a few sizes. Rank 0 writes links.json.
-A rank's host is HETERO_EMULATED_HOST (set by the emulator) or its hostname.
+A rank's host is --host (the node's name in the cluster spec: `hetero-plan profile --slurm`
+passes each node's Slurm name, which a host name such as node0.example.org is not), else
+HETERO_EMULATED_HOST (set by the emulator), else its hostname.
 """
 
 from __future__ import annotations
@@ -60,16 +62,20 @@ def _pairs(ranks_a: list[int], ranks_b: list[int]) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.profile_network", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron.hetero.profiling.network",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output-dir", required=True)
     parser.add_argument("--message-mib", type=float, default=8.0, help="bandwidth message size")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--allreduce-mib", type=float, nargs="+", default=[1.0, 16.0])
+    parser.add_argument("--host", default=None,
+                        help="this node's name in the cluster spec (default: HETERO_EMULATED_HOST, else the "
+                             "host name)")
     options = parser.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    host = env.host()
+    host = options.host or env.host()
     hosts: list = [None] * world
     dist.all_gather_object(hosts, host)
     by_host: dict[str, list[int]] = {}

@@ -1,6 +1,6 @@
 """Per-layer compute profile of a model shape on the local device, in the predictor's format.
 
-    python -m tools.profile_compute --device-type cpu-fast -o profiles/ \\
+    python -m megatron.hetero.profiling.compute --device-type cpu-fast -o profiles/ \\
         --micro-batch-sizes 1 2 4 -- --num-layers 2 --hidden-size 256 ... (pretrain_gpt.py flags)
 
 The model is megatron-core's GPTModel built (and DDP-wrapped) as pretrain_gpt.py does, fed as
@@ -18,12 +18,13 @@ Activation memory per layer is what autograd keeps for backward (saved-tensor ho
 device. The four models (ten layers) of every size must fit at once, or of one size with
 --one-size-at-a-time.
 
-Run by torchrun (or inside the emulator: `python -m tools.emulator --cluster C -- -m
-tools.profile_compute ...`) every rank profiles its own device concurrently - the
-contention of a real job - and rank 0 writes one profile per device type, the median over
-that type's ranks. Every rank starts the rounds together and keeps running them until the
-slowest has its own: a fast rank idling while slow ones finish would hand them cores (or
-memory bandwidth) they do not get in training, where every rank is busy.
+Run by torchrun (inside the emulator: `python -m tools.emulator --cluster C -- -m
+megatron.hetero.profiling.compute ...`; on a Slurm cluster: `hetero-plan profile --slurm`)
+every rank profiles its own device concurrently - the contention of a real job - and rank 0
+writes one profile per device type, the median over that type's ranks. Every rank starts
+the rounds together and keeps running them until the slowest has its own: a fast rank idling
+while slow ones finish would hand them cores (or memory bandwidth) they do not get in
+training, where every rank is busy.
 --tensor-parallel T groups consecutive ranks (one host) T by T.
 """
 
@@ -260,7 +261,8 @@ def _gather_case(results: dict, device_type: str, tp: int, entry: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv, gpt_flags = split_at_double_dash(argv)
-    parser = argparse.ArgumentParser(prog="python -m tools.profile_compute", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron.hetero.profiling.compute",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output-dir", required=True, help="profile directory (hetero-plan --profiles)")
     parser.add_argument("--device-type", default=None,
                         help="name in the cluster spec (default: HETERO_DEVICE, else what torch sees)")

@@ -1,0 +1,132 @@
+"""The Slurm commands hetero-launch --slurm and its driver run (scontrol, sbatch, srun, squeue,
+scancel, salloc): each through run_command, so that a command that hangs cannot hang us, and
+the driver's through one object (Slurm), so that a test can stand in for them."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetero.errors import HeteroError
+from hetero.spec import discover
+
+Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess]
+
+
+def run_command(command: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs a Slurm command; a command that does not answer comes back as exit code 124."""
+    try:
+        return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(list(command), 124, "", f"no answer in {timeout:.0f} s")
+
+
+# ----- before submitting: what Slurm has, and sbatch -------------------------------------------
+
+
+@dataclass
+class SlurmView:
+    nodes: list[discover.SlurmNode]
+    partitions: list[str]
+    default_partition: str | None
+
+
+def read_slurm(run: Runner = run_command) -> SlurmView:
+    """Nodes and partitions as `scontrol` reports them."""
+    def scontrol(*what: str) -> str:
+        done = run(["scontrol", "show", *what, "-o"], 60)
+        if done.returncode != 0:
+            raise HeteroError(f"`scontrol show {' '.join(what)}` failed: {(done.stderr or done.stdout).strip()[:400]}\n"
+                              "check that slurmctld is up and that SLURM_CONF (or /etc/slurm/slurm.conf) is this "
+                              "cluster's configuration")
+        return done.stdout
+
+    partitions_text = scontrol("partition")
+    default = next((discover.parse_fields(line)["PartitionName"] for line in partitions_text.splitlines()
+                    if line.startswith("PartitionName=") and discover.parse_fields(line).get("Default") == "YES"),
+                   None)
+    return SlurmView(discover.parse_nodes(scontrol("node")), discover.parse_partitions(partitions_text), default)
+
+
+def submit(script: Path, run: Runner = run_command) -> str:
+    """sbatch the script; the job id."""
+    done = run(["sbatch", "--parsable", str(script)], 120)
+    if done.returncode != 0:
+        reason = (done.stderr or done.stdout).strip()[:600]
+        hint = ""
+        if "Invalid feature" in reason:
+            hint = "; a --constraint names a feature no node has (check --feature against sinfo -o '%N %f')"
+        elif "node configuration is not available" in reason:
+            hint = "; the partition cannot hold a component (too many nodes, GPUs or memory asked)"
+        raise HeteroError(f"sbatch refused {script}: {reason}{hint}")
+    return done.stdout.strip().split(";")[0]
+
+
+# ----- inside the allocation: the driver's commands ----------------------------------------------
+
+
+class Slurm:
+    """The Slurm commands the driver uses (one place, so that a test can stand in for them)."""
+
+    def __init__(self, run: Runner = run_command):
+        self.run = run
+        self.slurmd_started: dict[str, str] = {}
+
+    def _checked(self, command: list[str], what: str, timeout: float = 60) -> str:
+        done = self.run(command, timeout)
+        if done.returncode != 0:
+            raise HeteroError(f"{what}: `{' '.join(command)}` failed: {(done.stderr or done.stdout).strip()[:300]}")
+        return done.stdout
+
+    def nodes(self) -> dict[str, discover.SlurmNode]:
+        """Every node as `scontrol show node` reports it; slurmd_started: when each node's
+        slurmd started (a node restarted since it was lost has a new one)."""
+        text = self._checked(["scontrol", "show", "node", "-o"], "reading the nodes")
+        self.slurmd_started = {fields["NodeName"]: fields.get("SlurmdStartTime", "")
+                               for fields in map(discover.parse_fields, text.splitlines()) if "NodeName" in fields}
+        return {n.name: n for n in discover.parse_nodes(text)}
+
+    def job_nodes(self, job_id: str) -> list[str]:
+        """The nodes a job (one component's job id) holds now."""
+        return self.job(job_id)[0]
+
+    def job(self, job_id: str) -> tuple[list[str], str]:
+        """(the nodes a job - one component's job id - holds now, its batch host)."""
+        text = self._checked(["scontrol", "show", "job", "-o", job_id], f"reading job {job_id}")
+        for line in text.splitlines():
+            fields = discover.parse_fields(line)
+            if fields.get("JobId") == job_id:
+                node_list = fields.get("NodeList", "")
+                nodes = [] if node_list in ("", "(null)") else discover.expand_hostlist(node_list)
+                return nodes, fields.get("BatchHost", "")
+        return [], ""
+
+    def shrink(self, job_id: str, keep: list[str]) -> None:
+        self._checked(["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(keep)}"],
+                      f"taking lost nodes out of job {job_id}")
+
+    def cancel(self, *ids: str) -> None:
+        if ids:
+            self.run(["scancel", *ids], 30)
+
+    def steps(self, job_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(step id, step name) of the jobs' running steps."""
+        done = self.run(["squeue", "--steps", "-h", "-o", "%i|%j", "-j", ",".join(job_ids)], 30)
+        return [tuple(line.split("|", 1)) for line in done.stdout.splitlines() if "|" in line]
+
+    def time_left(self, job_id: str) -> str | None:
+        """The job's remaining time as sbatch --time takes it; None when unlimited or unknown."""
+        done = self.run(["squeue", "-h", "-j", job_id, "-o", "%L"], 30)
+        left = done.stdout.strip().splitlines()[0] if done.stdout.strip() else ""
+        return left if left and left not in ("UNLIMITED", "INVALID", "NOT_SET") else None
+
+    def allocate(self, node: str, options: list[str], name: str) -> tuple[str | None, str]:
+        """A one-node allocation of node now (no waiting): (job id or None, what salloc said)."""
+        done = self.run(["salloc", "--no-shell", "--immediate=10", "-J", name, "-N1", "-w", node, *options], 60)
+        said = (done.stderr + done.stdout).strip()
+        for line in said.splitlines():
+            if "Granted job allocation" in line:
+                return line.rsplit(" ", 1)[-1], said
+        return None, said

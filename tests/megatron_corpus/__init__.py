@@ -1,0 +1,2 @@
+"""Megatron-LM's own GPT and MoE recipes (functional tests and example launch scripts at
+core_v0.16.1) as flag facts, one scale-down rule, and the report of how each one runs here."""

@@ -1,0 +1,533 @@
+"""`hetero-launch --slurm`: the batch script it writes, the errors it names before submitting,
+and a planned job that Slurm runs and our driver keeps alive.
+
+The script-writing and error tests read captured `scontrol` text through a stand-in
+`scontrol` on PATH (fast). The slow test brings up a real Slurm cluster on this machine
+(tools/emulator/slurm.py: node0 with two H100 GPUs, node1 and node2 with one A100 each, one
+slurmd per network namespace), discovers it, plans a tiny GPT for it (by hand: uneven
+stages, unequal replicas, a permuted rank_order, the planner's recorded job kept), submits
+it as a heterogeneous job, kills node2 after a checkpoint, restarts it once the job has
+resumed without it, and checks the losses against a 1-process run and a resume by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import (GPT_MODEL, REPO, TRAINING, assert_nothing_left, iteration_figure, processes_mentioning,
+                      run_pretrain)
+from hetero.events import CheckpointSaved, Iteration, of_kind, read_events
+from hetero.launch import slurm as launch_slurm
+from hetero.launch.slurm_driver import bind_hosts, bound_plan, step_environment
+from hetero.plan import Plan
+from hetero.spec import discover
+from test_slurm import _in_namespaces, _namespace_inodes, _need_root_and_slurm
+
+PY = sys.executable
+
+# ----- captured Slurm (22.05) -----------------------------------------------------------------
+
+
+def _node(name: str, features: str, gres: str, state: str = "IDLE", partitions: str = "all,gpu") -> str:
+    return (f"NodeName={name} Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUEfctv=2 CPUTot=2 "
+            f"AvailableFeatures={features} ActiveFeatures={features} Gres={gres} NodeAddr=10.0.0.{len(name)} "
+            f"NodeHostName={name} Version=22.05.8 RealMemory=2000 State={state} Partitions={partitions} "
+            "BootTime=None SlurmdStartTime=None")
+
+
+NODES_TEXT = "\n".join([
+    _node("h0", "h100,ib", "gpu:h100:2"),
+    _node("a0", "a100,80gb,ib", "gpu:a100:1"),
+    _node("a1", "a100,80gb,ib", "gpu:a100:1", state="DOWN+NOT_RESPONDING"),
+    _node("b0", "a100,40gb", "gpu:a100:1", partitions="all"),  # an A100-40GB: not in partition gpu
+]) + "\n"
+PARTITIONS_TEXT = ("PartitionName=all AllowGroups=ALL Default=YES Nodes=h0,a[0-1],b0 State=UP\n"
+                   "PartitionName=gpu AllowGroups=ALL Default=NO Nodes=h0,a[0-1] State=UP\n")
+
+
+def _device(host: str, device: str, vendor: str = "nvidia") -> dict:
+    return {"host": host, "device_type": device, "vendor": vendor, "nic": "ib"}
+
+
+def _plan_dict(devices: list[dict], **layout) -> dict:
+    """A layout-only plan (no recorded job): enough for writing and checking scripts."""
+    world = len(devices)
+    plan = {"version": 1, "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": world,
+            "micro_batch_size": 2, "stages": [{"num_layers": 4}],
+            "replicas": [{"num_micro_batches": 2}] * world, "rank_order": list(range(world)), "devices": devices}
+    plan.update(layout)
+    return plan
+
+
+def _fake_slurm(tmp_path: Path, nodes_text: str = NODES_TEXT, sbatch: bool = True) -> dict:
+    """An environment whose scontrol answers with the captured text and whose sbatch
+    records that it was called (and answers job 42)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (tmp_path / "nodes").write_text(nodes_text)
+    (tmp_path / "partitions").write_text(PARTITIONS_TEXT)
+    (bin_dir / "scontrol").write_text(f"""#!/bin/sh
+case "$2" in
+  partition) /bin/cat {tmp_path}/partitions ;;
+  node) /bin/cat {tmp_path}/nodes ;;
+esac
+""")
+    if sbatch:
+        (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch-called\necho 42\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {**os.environ, "PATH": str(bin_dir)}  # this machine's own Slurm commands are not on it
+
+
+def _launch(tmp_path: Path, plan: dict, *argv: str, env: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return subprocess.run([PY, "-m", "hetero.launch", "--slurm", str(path), *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+MIXED = [_device("gpu-fast", "H100-80GB")] * 2 + [_device("gpu-a", "A100-80GB"), _device("gpu-b", "A100-80GB")]
+
+
+# ----- the batch script -------------------------------------------------------------------------
+
+
+def test_writes_one_component_per_node_class(tmp_path):
+    env = _fake_slurm(tmp_path)
+    done = _launch(tmp_path, _plan_dict(MIXED), "--dry-run", "--partition", "gpu", "--account", "proj",
+                   "--time", "2:00:00", "--sbatch-arg=--qos=high", "--env", "GLOO_SOCKET_IFNAME=eth0",
+                   "--env", "ib:NCCL_IB_HCA=mlx5_0", "--env", "A100-80GB:NCCL_SOCKET_IFNAME=ib0",
+                   "--emulate-devices", "--run-dir", str(tmp_path / "run"), "--", "--num-layers", "4",
+                   "--save", "ckpt dir", "--save-interval", "2", env=env)
+    assert done.returncode == 0, done.stderr
+    script = done.stdout
+    lines = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert lines == [
+        "#SBATCH --job-name=hetero-plan",
+        f"#SBATCH --output={tmp_path}/run/slurm-%j.out",
+        "#SBATCH --nodes=1 --ntasks-per-node=1 --constraint=h100 --gres=gpu:2 --exclusive --mem=0 --no-kill "
+        "--partition=gpu --account=proj --time=2:00:00 --qos=high",
+        "#SBATCH hetjob",
+        "#SBATCH --nodes=2 --ntasks-per-node=1 --constraint=a100 --gres=gpu:1 --exclusive --mem=0 --no-kill "
+        "--partition=gpu --account=proj --time=2:00:00 --qos=high",
+    ], script
+    assert "# component 1: 2 x A100-80GB node, 1 rank each (--constraint=a100; plan hosts gpu-a, gpu-b)" in script
+    assert f"cd {REPO}\n" in script
+    body = script.split("exec ", 1)[1].replace("\\\n    ", "")
+    assert body.startswith(f"{PY} -m hetero.launch.slurm_driver --run-dir {tmp_path}/run --emulate-devices "
+                           "--env GLOO_SOCKET_IFNAME=eth0 --env ib:NCCL_IB_HCA=mlx5_0 "
+                           "--env A100-80GB:NCCL_SOCKET_IFNAME=ib0 -- --num-layers 4 --save 'ckpt dir'"), body
+    # a1 is down: the job waits for it; the one-node H100 component is named as Slurm's limit.
+    assert "not available now: a1 (DOWN+NOT_RESPONDING)" in done.stderr
+    assert "1 of these 3 nodes can be lost. --layout single survives" in done.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sbatch-called").exists()
+
+
+def test_the_default_partition_needs_a_feature_that_tells_the_a100s_apart(tmp_path):
+    # In `all`, b0 is an A100-40GB: `a100` alone would take it, `80gb` does not.
+    env = _fake_slurm(tmp_path)
+    done = _launch(tmp_path, _plan_dict(MIXED), "--dry-run", "--", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "--constraint=80gb " in done.stdout and "--constraint=h100 " in done.stdout
+    assert "--partition" not in done.stdout  # Slurm's default partition
+    # A feature given for a device type is taken as it is (and checked to select only it).
+    given = _launch(tmp_path, _plan_dict(MIXED), "--dry-run", "--feature", "A100-80GB=a100&80gb", "--", env=env)
+    assert given.returncode == 0, given.stderr
+    assert " --constraint=a100&80gb " in given.stdout
+    wrong = _launch(tmp_path, _plan_dict(MIXED), "--dry-run", "--feature", "A100-80GB=a100", "--", env=env)
+    assert wrong.returncode == 2 and "also selects nodes of other devices: b0 (A100-40GB)" in wrong.stderr
+
+
+def test_nodelist_and_written_run_dir(tmp_path):
+    env = _fake_slurm(tmp_path)
+    plan = _plan_dict([_device("h0", "H100-80GB")] * 2 + [_device("a0", "A100-80GB")])
+    run_dir = tmp_path / "run"
+    done = _launch(tmp_path, plan, "--constraint-by", "nodelist", "--partition", "gpu", "--run-dir", str(run_dir),
+                   "--", "--num-layers", "4", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"submit it with: sbatch {run_dir}/job.sbatch" in done.stdout
+    script = (run_dir / "job.sbatch").read_text()
+    assert "--nodelist=h0" in script and "--nodelist=a0" in script and "--constraint" not in script
+    assert "no --save DIR --save-interval N" in done.stderr
+    launch = json.loads((run_dir / "launch.json").read_text())
+    assert [(c["device_type"], c["hosts"], c["gpus_per_node"]) for c in launch["components"]] == [
+        ("H100-80GB", ["h0"], 2), ("A100-80GB", ["a0"], 1)]
+    assert json.loads((run_dir / "plan.json").read_text())["devices"] == plan["devices"]
+    submitted = _launch(tmp_path, plan, "--submit", "--constraint-by", "nodelist", "--partition", "gpu",
+                        "--run-dir", str(tmp_path / "run2"), "--", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    assert "submitted job 42" in submitted.stdout
+    assert (tmp_path / "sbatch-called").read_text().strip() == f"--parsable {tmp_path}/run2/job.sbatch"
+
+
+def test_one_job_for_every_class_where_nodes_run_alike(tmp_path):
+    env = _fake_slurm(tmp_path)
+    alike = _plan_dict([_device("h", "H100-80GB"), _device("x", "A100-80GB"), _device("y", "A100-80GB")])
+    done = _launch(tmp_path, alike, "--dry-run", "--layout", "single", "--partition", "gpu", "--time", "1:00:00",
+                   "--", env=env)
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("#SBATCH --nodes")] == [
+        "#SBATCH --nodes=3 --ntasks-per-node=1 --constraint=[h100*1&a100*2] --gres=gpu:1 --exclusive --mem=0 "
+        "--no-kill --partition=gpu --time=1:00:00"]
+    assert "hetjob" not in done.stdout and "3 nodes in one job" in done.stdout
+    unlike = _launch(tmp_path, _plan_dict(MIXED), "--dry-run", "--layout", "single", "--partition", "gpu", "--",
+                     env=env)
+    assert unlike.returncode == 2
+    assert ("--layout single asks every node for the same GPUs, but the plan runs 2 on each H100-80GB node, 1 on "
+            "each A100-80GB node; use --layout het") in unlike.stderr
+    expression = _launch(tmp_path, alike, "--dry-run", "--layout", "single", "--feature", "A100-80GB=a100&80gb",
+                         "--partition", "gpu", "--", env=env)
+    assert expression.returncode == 2 and "counts nodes by plain features" in expression.stderr
+
+
+def test_binding_keeps_the_launch_layout_and_rank_order():
+    plan = Plan.from_dict(_plan_dict(
+        [_device("h", "H100-80GB")] * 2 + [_device("x", "A100-80GB"), _device("y", "A100-80GB")],
+        pipeline_parallel=2, data_parallel=2, stages=[{"num_layers": 3}, {"num_layers": 1}],
+        replicas=[{"num_micro_batches": 5}, {"num_micro_batches": 3}], rank_order=[1, 0, 3, 2]))
+    view = launch_slurm.SlurmView(discover.parse_nodes(NODES_TEXT), ["all", "gpu"], "all")
+    components, _ = launch_slurm.plan_components(plan, view, launch_slurm.LaunchOptions(partition="gpu"))
+    # Slurm gave component 1 nodes a7 and x: host x keeps its namesake, y takes a7.
+    mapping = bind_hosts(components, [["h0"], ["a7", "x"]])
+    assert mapping == {"h": "h0", "x": "x", "y": "a7"}
+    bound = bound_plan(plan, mapping)
+    assert [d.host for d in bound.devices] == ["h0", "h0", "x", "a7"]
+    assert bound.rank_order == [1, 0, 3, 2] and bound.stages == plan.stages
+
+
+def test_env_rules_most_specific_wins():
+    rules = [launch_slurm.EnvRule.parse(text) for text in (
+        "NCCL_SOCKET_IFNAME=eth0", "ib:NCCL_SOCKET_IFNAME=ib0", "A100-80GB:NCCL_SOCKET_IFNAME=ib1",
+        "a1:NCCL_SOCKET_IFNAME=ib2", "ib:NCCL_IB_HCA=mlx5_0:1,mlx5_1:1")]
+    assert launch_slurm.env_for_node(rules, "h0", "H100-80GB", "ethernet", ["h100"]) == {"NCCL_SOCKET_IFNAME": "eth0"}
+    assert launch_slurm.env_for_node(rules, "h0", "H100-80GB", "ib", ["h100"]) == {
+        "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1"}
+    assert launch_slurm.env_for_node(rules, "a0", "A100-80GB", "ib", ["a100"])["NCCL_SOCKET_IFNAME"] == "ib1"
+    assert launch_slurm.env_for_node(rules, "a1", "A100-80GB", "ib", ["a100"])["NCCL_SOCKET_IFNAME"] == "ib2"
+
+
+def test_what_component_0_holds_alone_stays_out_of_the_steps():
+    batch = {"PATH": "/usr/bin", "SLURM_CONF": "/etc/slurm.conf", "SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "2",
+             "CUDA_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": "0", "SLURM_JOB_GPUS": "0,1",
+             "SLURM_MEM_PER_NODE": "0", "SLURM_CPUS_PER_TASK": "8", "SLURM_NTASKS": "1"}
+    # A step of the job: srun finds the job by SLURM_JOB_ID; slurmstepd sets each node's devices.
+    assert step_environment(batch) == {"PATH": "/usr/bin", "SLURM_CONF": "/etc/slurm.conf", "SLURM_JOB_ID": "7",
+                                       "SLURM_HET_SIZE": "2"}
+    # A step of the driver's own one-node allocation (a returned node): nothing of the main job.
+    assert step_environment(batch, own_allocation=True) == {"PATH": "/usr/bin", "SLURM_CONF": "/etc/slurm.conf"}
+
+
+# ----- bad input: named before anything is submitted --------------------------------------------
+
+
+def _refused(tmp_path: Path, done: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("error: "), done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, done.stderr
+    assert not (tmp_path / "sbatch-called").exists(), "sbatch was called"
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_nodes_of_a_class_than_the_partition_has(tmp_path):
+    plan = _plan_dict([_device("h", "H100-80GB")] + [_device(f"a{i}", "A100-80GB") for i in range(3)])
+    done = _launch(tmp_path, plan, "--submit", "--partition", "gpu", "--run-dir", str(tmp_path / "run"), "--",
+                   env=_fake_slurm(tmp_path))
+    _refused(tmp_path, done, "the plan needs 3 A100-80GB nodes (hosts a0, a1, a2) but partition gpu has 2 (a0, a1)",
+             "plan for the nodes there", "nothing was submitted")
+
+
+def test_a_feature_that_matches_no_node(tmp_path):
+    done = _launch(tmp_path, _plan_dict(MIXED), "--submit", "--partition", "gpu", "--feature", "A100-80GB=a800",
+                   "--run-dir", str(tmp_path / "run"), "--", env=_fake_slurm(tmp_path))
+    _refused(tmp_path, done, "--feature A100-80GB=a800 matches no node of partition gpu; its features: 80gb, a100, "
+                             "h100, ib")
+
+
+def test_a_plan_for_other_devices_than_the_clusters(tmp_path):
+    plan = _plan_dict([_device("m0", "MI300X", "amd")] * 2 + [_device("h", "H100-80GB")])
+    done = _launch(tmp_path, plan, "--submit", "--partition", "gpu", "--run-dir", str(tmp_path / "run"), "--",
+                   env=_fake_slurm(tmp_path))
+    _refused(tmp_path, done, "the plan runs MI300X (hosts m0) but no node of partition gpu is a MI300X: its nodes "
+                             "are H100-80GB: h0; A100-80GB: a0, a1",
+             "hetero-plan discover --slurm", "--device-map LABEL=MI300X")
+
+
+def test_no_sbatch_on_path(tmp_path):
+    done = _launch(tmp_path, _plan_dict(MIXED), "--submit", "--run-dir", str(tmp_path / "run"), "--",
+                   env=_fake_slurm(tmp_path, sbatch=False))
+    _refused(tmp_path, done, "--submit needs Slurm's sbatch on PATH", "login node", "SLURM_CONF", "--dry-run")
+
+
+def test_flags_that_do_not_go_with_slurm(tmp_path):
+    env = _fake_slurm(tmp_path)
+    for argv, fragment in ((["--master-addr", "x", "--"], "--master-addr does not go with --slurm"),
+                           (["--", "--hetero-plan", "p.json"], "leave --hetero-plan out"),
+                           (["--env", "1BAD=x", "--"], "expected [SELECTOR:]NAME=VALUE"),
+                           (["--env", "nvlink:X=1", "--"], "nvlink names no node, device type, feature or NIC kind"),
+                           (["--submit", "--dry-run", "--"], "--submit and --dry-run exclude each other")):
+        done = _launch(tmp_path, _plan_dict(MIXED), "--partition", "gpu", "--run-dir", str(tmp_path / "run"),
+                       *argv, env=env)
+        _refused(tmp_path, done, fragment)
+    without = subprocess.run([PY, "-m", "hetero.launch", str(tmp_path / "plan.json"), "--submit", "--partition", "gpu",
+                              "--"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    _refused(tmp_path, without, "--submit, --partition are --slurm options: add --slurm")
+
+
+# ----- a real Slurm cluster ----------------------------------------------------------------------
+
+TINY_GPT = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+            "num_query_groups": 4, "seq_length": 32, "vocab_size": 1024, "swiglu": False,
+            "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
+            "normalization": "LayerNorm", "position_embedding_type": "learned_absolute"}
+ITERATIONS = 30
+GLOBAL_BATCH = 64  # the planner uses every device for it (for 16 it leaves the A100s out)
+
+
+def _training(save: Path | None) -> list[str]:
+    args = GPT_MODEL + TRAINING
+    for flag, value in (("--global-batch-size", str(GLOBAL_BATCH)), ("--train-iters", str(ITERATIONS)),
+                        ("--lr-decay-style", "constant")):  # constant: a resume's curve does not depend on
+        args[args.index(flag) + 1] = value              # where the run stops
+    return args + (["--save", str(save), "--save-interval", "2"] if save else [])
+
+
+def _left_behind(cluster, inodes: set[int]) -> list[str]:
+    """What of this cluster is still there: its daemons (they name its state directory),
+    processes in its namespaces (slurmstepd, ranks), namespaces, bridge, state directory.
+    Only this cluster's: other Slurm clusters may run on this machine meanwhile."""
+    left = processes_mentioning(str(cluster.state_dir)) + _in_namespaces(inodes)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left += [f"namespace {line.split()[0]}" for line in names.splitlines() if line.startswith(f"hsn{cluster.run_id}-")]
+    if subprocess.run(["ip", "link", "show", cluster.bridge], capture_output=True).returncode == 0:
+        left.append(f"bridge {cluster.bridge}")
+    if cluster.state_dir.exists():
+        left.append(f"state directory {cluster.state_dir}")
+    return left
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    from tools.emulator.slurm import SlurmCluster, SlurmNode
+
+    _need_root_and_slurm()
+    # SlurmdTimeout as on a real cluster, long against what the driver does before Slurm
+    # notices a dead node (here ~10 s): the test is of the driver, not of a race with Slurm.
+    cluster = SlurmCluster([SlurmNode("node0", "h100", gpus=2), SlurmNode("node1", "a100"),
+                            SlurmNode("node2", "a100")], slurmd_timeout_s=120)
+    with cluster:
+        inodes = _namespace_inodes(cluster)
+        yield cluster
+    deadline = time.monotonic() + 10  # zombies aside, PID 1 reaps slowly
+    while _left_behind(cluster, inodes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _left_behind(cluster, inodes)
+    assert not left, "the Slurm cluster left behind:\n" + "\n".join(left)
+
+
+def _cli(slurm, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run([PY, "-m", *argv], cwd=cwd, env=slurm.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _heterogeneous_plan(tmp_path: Path, slurm) -> Path:
+    """discover -> hetero-plan -> the same job by hand: PP=2 with stages of 3 and 1 layers,
+    replicas of 18 and 14 micro-batches, logical ranks swapped within each stage. The
+    recorded model, training and cluster stay, so that the driver can plan the job again."""
+    _cli(slurm, "hetero", "discover", "--slurm", "--partition", "h100", "--partition", "a100",
+         "--device-map", "a100=A100-80GB", "--nic", "ib:3200", "--inter-group", "ib:3200", "-o", "cluster.yaml",
+         cwd=tmp_path)
+    (tmp_path / "tiny_gpt.yaml").write_text(yaml.safe_dump(TINY_GPT))
+    _cli(slurm, "hetero", "--cluster", "cluster.yaml", "--model", "tiny_gpt.yaml", "--global-batch-size",
+         str(GLOBAL_BATCH), "--seq-length", "32", "--micro-batch-size", "2", "--precision", "fp32",
+         "--no-fused-kernels", "--no-dropout", "--skip-baseline", "--skip-upper-bound", "--quiet",
+         "-o", "planned.json", cwd=tmp_path)
+    from hetero.jobs import explain
+
+    plan = json.loads((tmp_path / "planned.json").read_text())
+    assert [d["host"] for d in plan["devices"]] == ["node0", "node0", "node1", "node2"]
+    plan.update(pipeline_parallel=2, data_parallel=2, stages=[{"num_layers": 3}, {"num_layers": 1}],
+                replicas=[{"num_micro_batches": 18}, {"num_micro_batches": 14}], rank_order=[1, 0, 3, 2])
+    plan["prediction"] = explain(Plan.from_dict(plan), "the hand-made plan")[0].to_dict()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan, indent=1))
+    return path
+
+
+def _wait(what: str, ready, timeout: float, output: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = ready()
+        if found:
+            return found
+        time.sleep(0.2)
+    tail = output.read_text()[-6000:] if output is not None and output.exists() else ""
+    pytest.fail(f"timed out waiting for {what}\n{tail}", pytrace=False)
+
+
+def _rank_environments(slurm, node: str) -> list[dict[str, str]]:
+    """The environment of each pretrain_gpt.py rank running on the node (its namespace)."""
+    pids = subprocess.run(["ip", "netns", "pids", slurm.namespace(node)], capture_output=True,
+                          text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        variables = dict(item.decode().split("=", 1) for item in environ if b"=" in item)
+        # torchrun's workers (the driver's srun and torchrun itself name the script too)
+        if any(part.endswith(b"pretrain_gpt.py") for part in command) and "LOCAL_RANK" in variables:
+            found.append(variables)
+    return found
+
+
+def _by_iteration(events, name: str) -> dict[int, float]:
+    return {e.iteration: iteration_figure(e, name) for e in of_kind(events, Iteration)}
+
+
+@pytest.mark.slow
+def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_path):
+    plan = _heterogeneous_plan(tmp_path, slurm)
+    run_dir = tmp_path / "run"
+    train = _training(tmp_path / "ckpt")
+    submitted_at = time.time()
+    done = _cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
+                "--run-dir", str(run_dir), "--poll-s", "2", "--env", "GLOO_SOCKET_IFNAME=eth0", "--env", "OMP_NUM_THREADS=1",
+                "--env", "ib:NCCL_IB_HCA=mlx5_0", "--env", "A100-80GB:NCCL_SOCKET_IFNAME=eth0", "--", *train,
+                cwd=REPO)
+    job = done.stdout.split("submitted job ")[1].split()[0]
+    output = run_dir / f"slurm-{job}.out"
+    record_path = run_dir / "driver.json"
+
+    def record() -> dict:
+        return json.loads(record_path.read_text()) if record_path.exists() else {}
+
+    # Attempt 0 trains on all three nodes; each node's ranks got their own environment.
+    _wait("the first iteration", lambda: of_kind(read_events(run_dir / "attempt-0-events"), Iteration), 120, output)
+    first_iteration_at = time.time()
+    for node, devices, visible in (("node0", "H100-80GB,H100-80GB", "0,1"), ("node1", "A100-80GB", "0")):
+        ranks = _rank_environments(slurm, node)
+        assert ranks, f"no rank found on {node}"
+        for environ in ranks:
+            assert environ["HETERO_DEVICE"] == devices and environ["GLOO_SOCKET_IFNAME"] == "eth0"
+            assert environ["NCCL_IB_HCA"] == "mlx5_0" and environ["CUDA_VISIBLE_DEVICES"] == visible
+            assert ("NCCL_SOCKET_IFNAME" in environ) == (node != "node0")
+            assert environ["HETERO_EVENTS_DIR"] == str(run_dir / "attempt-0-events")
+
+    # A crashed node: node2's slurmd and everything in its namespace, after a checkpoint.
+    _wait("a checkpoint", lambda: any(e.iteration >= 4 for e in of_kind(read_events(run_dir / "attempt-0-events"),
+                                                                         CheckpointSaved)), 120, output)
+    slurm.kill_node("node2")
+    killed_at = time.time()
+    _wait("the resumed attempt's first iteration",
+          lambda: of_kind(read_events(run_dir / "attempt-1-events"), Iteration), 120, output)
+    attempts = record()["attempts"]
+    assert attempts[0]["outcome"] == "failed" and attempts[0]["lost"] == ["node2"], attempts
+    stopped_at = attempts[0]["ended"]
+    # The node comes back: the driver takes it in at the next checkpoint.
+    slurm.restart_node("node2")
+    restarted_at = time.time()
+    final = _wait("the job to end", lambda: record().get("outcome") and record(), 240, output)
+    text = output.read_text()
+    assert final["outcome"] == "finished", text[-6000:]
+    slurm.wait_idle(timeout=30)  # the second allocation released too
+    assert subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True, text=True).stdout == ""
+    assert_nothing_left(str(tmp_path))
+
+    attempts = final["attempts"]
+    assert [a["outcome"] for a in attempts] == ["failed", "readmit", "finished"], attempts
+    assert [a["nodes"] for a in attempts] == [["node0", "node1", "node2"], ["node0", "node1"],
+                                              ["node0", "node1", "node2"]]
+    assert "took node2 out of the allocation" in text
+    assert "took node2 back in an allocation of its own" in text
+    assert final["binding"] == {"node0": "node0", "node1": "node1", "node2": "node2"}
+    plans = [Plan.load(a["plan"]) for a in attempts]
+    assert plans[0].rank_order == [1, 0, 3, 2] and [s.num_layers for s in plans[0].stages] == [3, 1]
+    resumed_from = [a["checkpoint_loaded"] for a in attempts]
+    assert resumed_from[0] is None and resumed_from[1] >= 4 and resumed_from[2] > resumed_from[1]
+
+    # Every attempt trained what one process trains (fp32: within 1e-4).
+    reference = run_pretrain(_training(None), timeout=600)
+    assert reference.returncode == 0, reference.output[-3000:]
+    per_attempt = [read_events(run_dir / f"attempt-{a}-events") for a in range(3)]
+    for name in ("lm loss", "params norm"):
+        expected = dict(enumerate(reference.series(name), start=1))
+        for attempt, events in enumerate(per_attempt):
+            for iteration, value in _by_iteration(events, name).items():
+                assert abs(value - expected[iteration]) <= 1e-4 * abs(expected[iteration]), \
+                    (name, attempt, iteration, value, expected[iteration])
+    last = max(_by_iteration(per_attempt[2], "lm loss"))
+    assert last == ITERATIONS
+
+    # After the loss: exactly what the same checkpoint gives under the new plan, by hand.
+    resumed = _by_iteration(per_attempt[1], "lm loss")
+    devices = plans[1].devices
+    by_hand = run_pretrain(_training(None) + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", str(resumed_from[1]),
+                                              "--exit-interval", str(max(resumed)),
+                                              "--hetero-plan", attempts[1]["plan"]],
+                           nproc=len(devices), timeout=600, env={
+                               "HETERO_DEVICE": ",".join(d.device_type for d in devices),
+                               "HETERO_VENDOR": ",".join(d.vendor for d in devices)})
+    assert by_hand.returncode == 0, by_hand.output[-3000:]
+    assert by_hand.iteration_losses() == resumed
+
+    readmitted_at = final["readmissions"][0]["time"]
+    times = {
+        "submit -> first iteration": attempts[0]["first_iteration_time"] - submitted_at,
+        "kill -> job stopped": stopped_at - killed_at,
+        "stopped -> resumed iteration": attempts[1]["first_iteration_time"] - stopped_at,
+        "restart -> node taken back": readmitted_at - restarted_at,
+        "restart -> stopped at the checkpoint": attempts[1]["ended"] - restarted_at,
+        "restart -> first iteration with it": attempts[2]["first_iteration_time"] - restarted_at,
+        "submit -> finished": final["ended"] - submitted_at,
+    }
+    print("\n".join(f"  {what:<40} {seconds:6.1f} s" for what, seconds in times.items()))
+    assert first_iteration_at - submitted_at < 120
+    # The bound: the survivors' stop (their watchdog: 10 s of silence at most), 2 s of quiet,
+    # the probe of the silent node (10 s at most) and 5 s for the steps to end, about 30 s;
+    # on a 2-core machine shared with other jobs every part of it runs several times slower.
+    assert times["kill -> job stopped"] < 90
+
+
+@pytest.mark.slow
+def test_one_job_loses_a_node_a_heterogeneous_one_cannot_and_the_driver_gives_up(slurm, tmp_path):
+    # node1 is the first node of the A100 component: Slurm refuses to take it out of a
+    # heterogeneous job. In one job (--layout single: every node runs one rank here) it can.
+    _heterogeneous_plan(tmp_path, slurm)
+    plan = json.loads((tmp_path / "planned.json").read_text())
+    plan.update(data_parallel=3, devices=plan["devices"][1:], rank_order=[2, 0, 1],
+                replicas=[{"num_micro_batches": n} for n in (12, 10, 10)])
+    (tmp_path / "alike.json").write_text(json.dumps(plan))
+    run_dir = tmp_path / "run"
+    done = _cli(slurm, "hetero.launch", "--slurm", str(tmp_path / "alike.json"), "--submit", "--emulate-devices",
+                "--layout", "single", "--max-restarts", "0", "--run-dir", str(run_dir),
+                "--env", "GLOO_SOCKET_IFNAME=eth0",
+                "--env", "OMP_NUM_THREADS=1", "--", *_training(tmp_path / "ckpt"), cwd=REPO)
+    output = run_dir / f"slurm-{done.stdout.split('submitted job ')[1].split()[0]}.out"
+    _wait("the first iteration", lambda: of_kind(read_events(run_dir / "attempt-0-events"), Iteration), 120, output)
+    slurm.kill_node("node1")
+    killed_at = time.time()
+    record = run_dir / "driver.json"
+    final = _wait("the driver to give up", lambda: json.loads(record.read_text()).get("outcome") and
+                  json.loads(record.read_text()), 120, output)
+    print(f"  kill -> the driver gave up {final['ended'] - killed_at:6.1f} s")
+    assert final["outcome"] == "failed" and final["exit_code"] != 0, final
+    assert final["reason"] == "lost node1, and all 0 restarts are used (--max-restarts)"
+    assert f"hetero-slurm: {final['reason']}" in output.read_text()
+    assert f"took node1 out of the allocation (job {final['job_id']} keeps node0, node2)" in output.read_text()
+    assert [c["nodes"] for c in final["components"]] == [["node0"], ["node1", "node2"]]
+    _wait("the job to end", lambda: subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True,
+                                                   text=True).stdout == "", 30, output)
+    assert_nothing_left(str(tmp_path))
+    slurm.restart_node("node1")
