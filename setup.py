@@ -51,7 +51,9 @@ setup(
     ext_modules=[comm_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     install_requires=[
-        "torch==2.13.0",
+        # megatron-core 0.16.1's own floor, up to the newest release we test (the CPU set-up of
+        # `make` pins 2.13.0). A GPU environment's torch (an NGC container's) is used as it is.
+        "torch>=2.6,<2.14",
         "megatron-core==0.16.1",
         "pydantic>=2.5,<3",
         "PyYAML>=6.0",

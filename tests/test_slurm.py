@@ -24,6 +24,7 @@ from conftest import REPO, live_command, processes_mentioning
 from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.spec import discover
+from hetero.spec import node_probe, slurm_text
 from hetero.spec.cluster import Cluster
 
 # ----- captured text (Slurm 22.05) ----------------------------------------------------------
@@ -65,44 +66,44 @@ end=1
 
 
 def test_parses_scontrol_show_node():
-    nodes = {n.name: n for n in discover.parse_nodes(NODES_TEXT)}
+    nodes = {n.name: n for n in slurm_text.parse_nodes(NODES_TEXT)}
     assert list(nodes) == ["node0", "gpu-a07", "gpu-a08", "mi0"]
     h100 = nodes["node0"]
-    assert h100.features == ("h100",) and h100.gpus == (discover.Gres("gpu", "h100", 1),)
+    assert h100.features == ("h100",) and h100.gpus == (slurm_text.Gres("gpu", "h100", 1),)
     assert h100.partitions == ("gpu", "h100") and h100.address == "10.77.249.10" and h100.available
     a07 = nodes["gpu-a07"]
     assert a07.features == ("ib", "a100", "80gb", "rome")
-    assert a07.gres == (discover.Gres("gpu", "a100", 8), discover.Gres("nic", "mlx5", 4))
+    assert a07.gres == (slurm_text.Gres("gpu", "a100", 8), slurm_text.Gres("nic", "mlx5", 4))
     assert a07.state == "MIXED" and a07.available
     assert not nodes["gpu-a08"].available  # DOWN+DRAIN+NOT_RESPONDING
-    assert nodes["mi0"].features == () and nodes["mi0"].gpus == (discover.Gres("gpu", None, 8),)
-    assert discover.parse_fields(NODES_TEXT.splitlines()[2])["Reason"].startswith("bad DIMM in slot 3")
+    assert nodes["mi0"].features == () and nodes["mi0"].gpus == (slurm_text.Gres("gpu", None, 8),)
+    assert slurm_text.parse_fields(NODES_TEXT.splitlines()[2])["Reason"].startswith("bad DIMM in slot 3")
 
 
 def test_parses_partitions_host_lists_and_topology():
-    assert discover.parse_partitions(PARTITIONS_TEXT) == ["gpu", "a100-80", "all", "h100", "amd"]
-    assert discover.expand_hostlist("gpu-a[07-08],node0") == ["gpu-a07", "gpu-a08", "node0"]
-    assert discover.expand_hostlist("r[1-2]n[0,2]") == ["r1n0", "r1n2", "r2n0", "r2n2"]
+    assert slurm_text.parse_partitions(PARTITIONS_TEXT) == ["gpu", "a100-80", "all", "h100", "amd"]
+    assert slurm_text.expand_hostlist("gpu-a[07-08],node0") == ["gpu-a07", "gpu-a08", "node0"]
+    assert slurm_text.expand_hostlist("r[1-2]n[0,2]") == ["r1n0", "r1n2", "r2n0", "r2n2"]
     # leaf0 and leaf1 hang under spine0: one fabric; leaf9 is an island of its own.
-    assert discover.parse_topology(TOPOLOGY_TEXT) == {
+    assert slurm_text.parse_topology(TOPOLOGY_TEXT) == {
         "gpu-a07": "spine0", "gpu-a08": "spine0", "node0": "spine0", "mi0": "leaf9"}
 
 
 def test_reads_nics_from_the_probe():
-    probe = discover.parse_probe(PROBE_IB)
+    probe = node_probe.parse_probe(PROBE_IB)
     assert probe.complete and probe.host == "gpu-a07" and len(probe.gpus) == 2
     # Active InfiniBand ports, summed; the down one and the RoCE port do not count.
-    assert discover.nic_of(probe)[:2] == ("ib", 400.0)
-    roce = discover.parse_probe("rdma=mlx5_0/1|Ethernet|4: ACTIVE|100 Gb/sec (4X EDR)\nend=1\n")
-    assert discover.nic_of(roce)[:2] == ("roce", 100.0)
+    assert node_probe.nic_of(probe)[:2] == ("ib", 400.0)
+    roce = node_probe.parse_probe("rdma=mlx5_0/1|Ethernet|4: ACTIVE|100 Gb/sec (4X EDR)\nend=1\n")
+    assert node_probe.nic_of(roce)[:2] == ("roce", 100.0)
     # A bond beats its members; virtual interfaces only where nothing else is up.
-    ethernet = discover.parse_probe("net=eno1|up|25000|physical\nnet=bond0|up|50000|bond\n"
+    ethernet = node_probe.parse_probe("net=eno1|up|25000|physical\nnet=bond0|up|50000|bond\n"
                                     "net=veth9|up|10000|virtual\nend=1\n")
-    assert discover.nic_of(ethernet)[:2] == ("ethernet", 50.0)
-    veth_only = discover.parse_probe("host=node1\nnet=eth0|up|10000|virtual\nend=1\n")
-    assert discover.nic_of(veth_only)[:2] == ("ethernet", 10.0)
-    assert discover.nic_of(discover.parse_probe("net=eth0|down||physical\nend=1\n")) is None
-    assert not discover.parse_probe("host=x\n").complete  # cut short: not trusted
+    assert node_probe.nic_of(ethernet)[:2] == ("ethernet", 50.0)
+    veth_only = node_probe.parse_probe("host=node1\nnet=eth0|up|10000|virtual\nend=1\n")
+    assert node_probe.nic_of(veth_only)[:2] == ("ethernet", 10.0)
+    assert node_probe.nic_of(node_probe.parse_probe("net=eth0|down||physical\nend=1\n")) is None
+    assert not node_probe.parse_probe("host=x\n").complete  # cut short: not trusted
 
 
 def test_maps_labels_to_catalog_devices():
@@ -111,21 +112,21 @@ def test_maps_labels_to_catalog_devices():
     assert discover.catalog_matches("nvidia_a100-sxm4-80gb") == {"A100-80GB"}
     assert discover.catalog_matches("a100") == {"A100-40GB", "A100-80GB"}
     assert discover.catalog_matches("ib") == set()
-    nodes = {n.name: n for n in discover.parse_nodes(NODES_TEXT)}
+    nodes = {n.name: n for n in slurm_text.parse_nodes(NODES_TEXT)}
     # "a100" and "80gb" agree on one device; "ib" and "rome" name none and are ignored.
     assert discover.resolve_device(nodes["gpu-a07"], None, {}).device == "A100-80GB"
     # What the node's driver reports wins over labels; --device-map over both.
-    h20 = discover.Probe(gpus=("NVIDIA H20",), complete=True)
+    h20 = node_probe.Probe(gpus=("NVIDIA H20",), complete=True)
     assert discover.resolve_device(nodes["node0"], h20, {}).device == "H20"
     assert discover.resolve_device(nodes["node0"], h20, {"h100": "H800"}).device == "H800"
-    a100 = discover.SlurmNode("n", "IDLE", ("a100",), (discover.Gres("gpu", "a100", 4),), ("p",))
+    a100 = slurm_text.SlurmNode("n", "IDLE", ("a100",), (slurm_text.Gres("gpu", "a100", 4),), ("p",))
     problem = discover.resolve_device(a100, None, {}).problem
     assert "ambiguous" in problem and "A100-40GB or A100-80GB" in problem and "--device-map a100=" in problem
-    l4 = discover.SlurmNode("n", "IDLE", ("l4",), (discover.Gres("gpu", "l4", 1),), ("p",))
+    l4 = slurm_text.SlurmNode("n", "IDLE", ("l4",), (slurm_text.Gres("gpu", "l4", 1),), ("p",))
     problem = discover.resolve_device(l4, None, {}).problem
     assert "'l4'" in problem and "--device-map l4=NAME" in problem and "H100-80GB" in problem
     # Nothing names a device here: the AMD node is resolved by the GPU name its probe saw.
-    mi = discover.resolve_device(nodes["mi0"], discover.Probe(gpus=("AMD Instinct MI250X",)), {})
+    mi = discover.resolve_device(nodes["mi0"], node_probe.Probe(gpus=("AMD Instinct MI250X",)), {})
     assert mi.device == "MI250X"
 
 
@@ -155,7 +156,7 @@ def test_discovers_a_spec_from_slurm_text(tmp_path, monkeypatch):
     def probe(nodes, timeout):
         seen = {"node0": "net=eth0|up|10000|virtual\nend=1\n", "gpu-a07": PROBE_IB,
                 "mi0": "gpu=AMD Instinct MI250X\nend=1\n"}
-        return {node: (discover.parse_probe(seen[node]), "") for node, _ in nodes}
+        return {node: (node_probe.parse_probe(seen[node]), "") for node, _ in nodes}
 
     found = discover.discover_slurm(discover.DiscoverOptions(nics={"amd": ("roce", 200.0)}), probe=probe)
     cluster = Cluster.from_dict(found.spec)

@@ -25,10 +25,14 @@ import yaml
 from conftest import (GPT_MODEL, REPO, TRAINING, assert_nothing_left, iteration_figure, processes_mentioning,
                       run_pretrain)
 from hetero.events import CheckpointSaved, Iteration, of_kind, read_events
-from hetero.launch import slurm as launch_slurm
-from hetero.launch.slurm_driver import bind_hosts, bound_plan, step_environment
+from hetero.launch.slurm.client import SlurmView
+from hetero.launch.slurm.components import plan_components
+from hetero.launch.slurm.env_rules import EnvRule, env_for_node
+from hetero.launch.slurm.options import LaunchOptions
+from hetero.launch.slurm_driver.binding import bind_hosts, bound_plan
+from hetero.launch.slurm_driver.steps import step_environment
 from hetero.plan import Plan
-from hetero.spec import discover
+from hetero.spec import slurm_text
 from test_slurm import _in_namespaces, _namespace_inodes, _need_root_and_slurm
 
 PY = sys.executable
@@ -193,8 +197,8 @@ def test_binding_keeps_the_launch_layout_and_rank_order():
         [_device("h", "H100-80GB")] * 2 + [_device("x", "A100-80GB"), _device("y", "A100-80GB")],
         pipeline_parallel=2, data_parallel=2, stages=[{"num_layers": 3}, {"num_layers": 1}],
         replicas=[{"num_micro_batches": 5}, {"num_micro_batches": 3}], rank_order=[1, 0, 3, 2]))
-    view = launch_slurm.SlurmView(discover.parse_nodes(NODES_TEXT), ["all", "gpu"], "all")
-    components, _ = launch_slurm.plan_components(plan, view, launch_slurm.LaunchOptions(partition="gpu"))
+    view = SlurmView(slurm_text.parse_nodes(NODES_TEXT), ["all", "gpu"], "all")
+    components, _ = plan_components(plan, view, LaunchOptions(partition="gpu"))
     # Slurm gave component 1 nodes a7 and x: host x keeps its namesake, y takes a7.
     mapping = bind_hosts(components, [["h0"], ["a7", "x"]])
     assert mapping == {"h": "h0", "x": "x", "y": "a7"}
@@ -204,14 +208,14 @@ def test_binding_keeps_the_launch_layout_and_rank_order():
 
 
 def test_env_rules_most_specific_wins():
-    rules = [launch_slurm.EnvRule.parse(text) for text in (
+    rules = [EnvRule.parse(text) for text in (
         "NCCL_SOCKET_IFNAME=eth0", "ib:NCCL_SOCKET_IFNAME=ib0", "A100-80GB:NCCL_SOCKET_IFNAME=ib1",
         "a1:NCCL_SOCKET_IFNAME=ib2", "ib:NCCL_IB_HCA=mlx5_0:1,mlx5_1:1")]
-    assert launch_slurm.env_for_node(rules, "h0", "H100-80GB", "ethernet", ["h100"]) == {"NCCL_SOCKET_IFNAME": "eth0"}
-    assert launch_slurm.env_for_node(rules, "h0", "H100-80GB", "ib", ["h100"]) == {
+    assert env_for_node(rules, "h0", "H100-80GB", "ethernet", ["h100"]) == {"NCCL_SOCKET_IFNAME": "eth0"}
+    assert env_for_node(rules, "h0", "H100-80GB", "ib", ["h100"]) == {
         "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1"}
-    assert launch_slurm.env_for_node(rules, "a0", "A100-80GB", "ib", ["a100"])["NCCL_SOCKET_IFNAME"] == "ib1"
-    assert launch_slurm.env_for_node(rules, "a1", "A100-80GB", "ib", ["a100"])["NCCL_SOCKET_IFNAME"] == "ib2"
+    assert env_for_node(rules, "a0", "A100-80GB", "ib", ["a100"])["NCCL_SOCKET_IFNAME"] == "ib1"
+    assert env_for_node(rules, "a1", "A100-80GB", "ib", ["a100"])["NCCL_SOCKET_IFNAME"] == "ib2"
 
 
 def test_what_component_0_holds_alone_stays_out_of_the_steps():

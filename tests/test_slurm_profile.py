@@ -22,7 +22,7 @@ import pytest
 from conftest import live_command
 from hetero.errors import HeteroError
 from hetero.predict.costs import CostModel, TrainingSetup
-from hetero.spec import discover
+from hetero.spec import slurm_text
 from hetero.spec.cluster import Cluster
 from hetero.spec.model import ModelSpec
 from hetero.spec.profile_slurm import ProfileOptions, choose_nodes, compute_step, every_link, links_step
@@ -40,7 +40,7 @@ def _node(name: str, gres: str, state: str = "IDLE") -> str:
             f"NodeAddr=10.0.0.{name[-1]} NodeHostName={name} RealMemory=2000 State={state} Partitions={partitions}")
 
 
-SLURM = discover.parse_nodes("\n".join([
+SLURM = slurm_text.parse_nodes("\n".join([
     _node("h0", "gpu:h100:2", state="DOWN+NOT_RESPONDING"), _node("h1", "gpu:h100:2"),
     _node("a0", "gpu:a100:1"), _node("a1", "gpu:a100:1"), _node("a2", "gpu:a100:1")]))
 SPEC = {"name": "t", "groups": [

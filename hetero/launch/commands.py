@@ -2,7 +2,7 @@
 
     python -m hetero.launch plan.json -- --num-layers 32 ...      # print every node's command
     python -m hetero.launch plan.json --node-rank 1 --run -- ...  # run node 1's command here
-    python -m hetero.launch --slurm plan.json --submit -- ...     # a Slurm batch job (slurm.py)
+    python -m hetero.launch --slurm plan.json --submit -- ...     # a Slurm batch job (slurm/)
 
 torchrun numbers ranks node by node, so launch ranks of one host are consecutive (the
 plan validator insists on it) and node k runs launch ranks of the k-th host in the plan.
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="run the command of --node-rank here")
     parser.add_argument("--slurm", action="store_true",
                         help="write (--submit: and submit) a Slurm batch script whose driver runs and "
-                             "keeps the job alive (hetero/launch/slurm.py)")
+                             "keeps the job alive (hetero/launch/slurm/)")
     slurm.add_arguments(parser)
     options = parser.parse_args(argv)
     if options.slurm or slurm.slurm_options_given(options):

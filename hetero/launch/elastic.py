@@ -60,9 +60,10 @@ def lost_hosts(result: AttemptResult, plan: Plan) -> set[str]:
     return lost & {host for host, _ in plan.hosts()}
 
 
-def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
-    """The cluster less some nodes (groups left empty and their links go too)."""
-    spec = cluster.to_dict()
+def reshape_cluster_spec(spec: dict, node_for: Callable[[str, dict], dict | None]) -> dict:
+    """A cluster spec (its dict) host by host: each host's entry (a host_prefix entry counts
+    as its hosts) becomes node_for(host name, the entry's other settings), a one-host node,
+    or goes when that is None. Groups left empty and their links go too."""
     groups = []
     for group in spec["groups"]:
         nodes = []
@@ -70,15 +71,21 @@ def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
             names = ([node["host"]] if node.get("host") else
                      [f"{node['host_prefix']}{i}" for i in range(node.get("num_nodes", 1))])
             base = {k: v for k, v in node.items() if k not in ("host", "host_prefix", "num_nodes")}
-            nodes += [{**base, "host": name} for name in names if name not in hosts]
+            nodes += [entry for entry in (node_for(name, base) for name in names) if entry is not None]
         if nodes:
             groups.append({**group, "nodes": nodes})
-    if not groups:
-        raise HeteroError("every node of the cluster is lost; nothing to re-plan on")
     kept = {g["name"] for g in groups}
-    links = [l for l in spec.get("inter_group", []) if set(l["between"]) <= kept]
-    return Cluster.from_dict({**spec, "groups": groups, "inter_group": links},
-                             f"{cluster.source} without {', '.join(sorted(hosts))}")
+    links = [link for link in spec.get("inter_group", []) if set(link["between"]) <= kept]
+    return {**spec, "groups": groups, "inter_group": links}
+
+
+def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
+    """The cluster less some nodes (groups left empty and their links go too)."""
+    spec = reshape_cluster_spec(cluster.to_dict(),
+                                lambda name, base: None if name in hosts else {**base, "host": name})
+    if not spec["groups"]:
+        raise HeteroError("every node of the cluster is lost; nothing to re-plan on")
+    return Cluster.from_dict(spec, f"{cluster.source} without {', '.join(sorted(hosts))}")
 
 
 def replan(plan: Plan, lost: set[str]) -> Plan:
@@ -144,11 +151,12 @@ def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, r
         old_speed, new_speed = predicted_tokens_per_s(plan), predicted_tokens_per_s(new_plan)
         log(f"elastic: lost {', '.join(sorted(lost))}; re-planned for "
             f"{', '.join(h for h, _ in new_plan.hosts())}: {new_plan.summary()}; predicted "
-            f"{_speed(old_speed)} -> {_speed(new_speed)} tokens/s; wrote {plan_path}; resuming from "
+            f"{speed_text(old_speed)} -> {speed_text(new_speed)} tokens/s; wrote {plan_path}; resuming from "
             "the last checkpoint")
         plan, args = new_plan, with_load(train_args)
     return 1
 
 
-def _speed(value: float | None) -> str:
+def speed_text(value: float | None) -> str:
+    """A predicted speed for a log line (tokens/s; `?` when the plan has no prediction)."""
     return f"{value:,.0f}" if value is not None else "?"

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import yaml
 
@@ -45,8 +43,9 @@ from hetero.errors import HeteroError
 from hetero.spec.catalog import DEVICES, INTRA_NODE_LINKS, NIC_KINDS
 from hetero.spec.cluster import Cluster
 from hetero.spec.devices import device_type_matches
-
-Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess]
+from hetero.spec.node_probe import Probe, nic_of, probe_nodes
+from hetero.spec.slurm_text import (Runner, SlurmNode, parse_nodes, parse_partitions,
+                                    parse_topology, run_command, slurm_output)
 
 # The intra-node link of each catalog device's usual board (SXM/OAM where it has one).
 # PCIe versions of the same chip differ: --intra-link DEVICE=pcie4 for those.
@@ -60,241 +59,8 @@ INTRA_LINKS = {
     "Ascend-910B": "hccs",
 }
 DEFAULT_NIC = ("ethernet", 10.0)
-# A node in any of these states cannot run the probe, nor the job the spec is planned for.
-UNAVAILABLE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE", "NOT_RESPONDING",
-               "POWERED_DOWN", "POWER_DOWN", "POWERING_DOWN", "POWERING_UP", "INVAL", "UNKNOWN",
-               "REBOOT_REQUESTED", "REBOOT_ISSUED", "MAINTENANCE", "MAINT"}
 GROUP_RULES = ("auto", "topology", "partition", "device", "one")
 
-# Run on every node by srun: what the node can tell of its NICs and GPUs, one fact a line.
-# POSIX sh and /sys only, so that it runs on any node (no Python or venv needed there).
-PROBE_SCRIPT = r"""
-echo "host=$(hostname)"
-for p in /sys/class/infiniband/*/ports/*; do
-  [ -e "$p/rate" ] || continue
-  d=${p#/sys/class/infiniband/}
-  echo "rdma=${d%%/*}/${p##*/}|$(cat "$p/link_layer" 2>/dev/null)|$(cat "$p/state" 2>/dev/null)|$(cat "$p/rate" 2>/dev/null)"
-done
-for n in /sys/class/net/*; do
-  i=${n##*/}
-  [ "$i" = lo ] && continue
-  kind=virtual
-  [ -e "$n/device" ] && kind=physical
-  [ -e "$n/bonding" ] && kind=bond
-  echo "net=$i|$(cat "$n/operstate" 2>/dev/null)|$(cat "$n/speed" 2>/dev/null)|$kind"
-done
-if command -v nvidia-smi >/dev/null 2>&1; then
-  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sed 's/^/gpu=/'
-fi
-if command -v rocm-smi >/dev/null 2>&1; then
-  rocm-smi --showproductname 2>/dev/null | sed -n 's/.*Card [Ss]eries:[[:space:]]*/gpu=/p'
-fi
-echo "end=1"
-"""
-
-
-# ----- what Slurm says ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Gres:
-    name: str
-    type: str | None
-    count: int
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    """One node as `scontrol show node -o` describes it."""
-
-    name: str
-    state: str
-    features: tuple[str, ...]
-    gres: tuple[Gres, ...]
-    partitions: tuple[str, ...]
-    address: str = ""
-
-    @property
-    def available(self) -> bool:
-        return not (set(re.split(r"[+*]", self.state.upper())) & UNAVAILABLE) and not self.state.endswith("*")
-
-    @property
-    def gpus(self) -> tuple[Gres, ...]:
-        return tuple(g for g in self.gres if g.name == "gpu")
-
-
-_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z_/]*)=")
-
-
-def parse_fields(line: str) -> dict[str, str]:
-    """KEY=VALUE pairs of one `scontrol show ... -o` line (values may hold spaces, as OS= and
-    Reason= do: a value runs up to the next KEY=)."""
-    matches = list(_KEY.finditer(line))
-    fields = {}
-    for m, after in zip(matches, matches[1:] + [None]):
-        fields[m.group(1)] = line[m.end():after.start() if after else len(line)].strip()
-    return fields
-
-
-def _split_top(text: str, separator: str = ",") -> list[str]:
-    """Splits at separators outside brackets and parentheses."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        if char in "[(":
-            depth += 1
-        elif char in "])":
-            depth -= 1
-        if char == separator and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _none(value: str | None) -> str:
-    return "" if value in (None, "(null)", "N/A", "none", "") else value
-
-
-def parse_gres(text: str | None) -> tuple[Gres, ...]:
-    """`gpu:h100:4(S:0-1),gpu:2,nic:1` -> Gres entries (socket bindings dropped)."""
-    found = []
-    for item in _split_top(_none(text)):
-        parts = re.sub(r"\(.*\)$", "", item).split(":")
-        name, gtype, count = parts[0], None, "1"
-        if len(parts) == 2:
-            if parts[1].isdigit():
-                count = parts[1]
-            else:
-                gtype = parts[1]
-        elif len(parts) >= 3:
-            gtype, count = parts[1], parts[2]
-        digits = re.match(r"\d+", count)
-        found.append(Gres(name, gtype, int(digits.group()) if digits else 1))
-    return tuple(found)
-
-
-def parse_nodes(text: str) -> list[SlurmNode]:
-    """The nodes of `scontrol show node -o` (one node a line)."""
-    nodes = []
-    for line in text.splitlines():
-        if not line.startswith("NodeName="):
-            continue
-        f = parse_fields(line)
-        features = f.get("ActiveFeatures") or f.get("AvailableFeatures") or f.get("Features")
-        nodes.append(SlurmNode(
-            name=f["NodeName"],
-            state=f.get("State", "UNKNOWN"),
-            features=tuple(x for x in _split_top(_none(features)) if x),
-            gres=parse_gres(f.get("Gres")),
-            partitions=tuple(_split_top(_none(f.get("Partitions")))),
-            address=_none(f.get("NodeAddr")),
-        ))
-    return nodes
-
-
-def parse_partitions(text: str) -> list[str]:
-    """Partition names of `scontrol show partition -o`, in Slurm's order."""
-    return [parse_fields(line)["PartitionName"] for line in text.splitlines()
-            if line.startswith("PartitionName=")]
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's host list syntax: `node[0-2,5],gpu[01-02]-x` -> node0 node1 node2 node5 gpu01-x gpu02-x."""
-    hosts: list[str] = []
-    for item in _split_top(text):
-        match = re.search(r"\[([^\]]*)\]", item)
-        if not match:
-            hosts.append(item)
-            continue
-        head, tail = item[:match.start()], item[match.end():]
-        for piece in match.group(1).split(","):
-            low, _, high = piece.partition("-")
-            width = len(low)
-            for i in range(int(low), int(high or low) + 1):
-                hosts += expand_hostlist(f"{head}{i:0{width}d}{tail}")
-    return hosts
-
-
-def parse_topology(text: str) -> dict[str, str]:
-    """node -> the top switch of its tree, from `scontrol show topology` (topology/tree).
-    Switches joined through upper switches form one tree: one fabric."""
-    switches: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
-        if line.strip().startswith("SwitchName="):
-            f = parse_fields(line.strip())
-            switches[f["SwitchName"]] = f
-    parent: dict[str, str] = {}
-    for name, f in switches.items():
-        for child in expand_hostlist(_none(f.get("Switches"))):
-            parent[child] = name
-
-    def top(switch: str) -> str:
-        seen = set()
-        while switch in parent and switch not in seen:
-            seen.add(switch)
-            switch = parent[switch]
-        return switch
-
-    islands = {}
-    for name, f in switches.items():
-        for node in expand_hostlist(_none(f.get("Nodes"))):
-            islands.setdefault(node, top(name))
-    return islands
-
-
-# ----- what a node says about itself -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Probe:
-    host: str = ""
-    gpus: tuple[str, ...] = ()
-    rdma: tuple[tuple[str, str, str, float], ...] = ()
-    """(device/port, link layer, state, Gbit/s)"""
-    net: tuple[tuple[str, str, float, str], ...] = ()
-    """(interface, operstate, Gbit/s or 0 when unknown, physical|bond|virtual)"""
-    complete: bool = False
-
-
-def parse_probe(text: str) -> Probe:
-    host, gpus, rdma, net, complete = "", [], [], [], False
-    for line in text.splitlines():
-        key, _, value = line.strip().partition("=")
-        if key == "host":
-            host = value
-        elif key == "gpu" and value.strip():
-            gpus.append(value.strip())
-        elif key == "rdma":
-            port, layer, state, rate = (value.split("|") + ["", "", ""])[:4]
-            gbps = re.match(r"\s*([0-9.]+)\s*Gb", rate)
-            rdma.append((port, layer.strip(), state.strip(), float(gbps.group(1)) if gbps else 0.0))
-        elif key == "net":
-            name, state, speed, kind = (value.split("|") + ["", "", ""])[:4]
-            mbit = int(speed) if speed.strip().lstrip("-").isdigit() else 0
-            net.append((name, state.strip(), max(mbit, 0) / 1000, kind.strip()))
-        elif key == "end":
-            complete = True
-    return Probe(host, tuple(gpus), tuple(rdma), tuple(net), complete)
-
-
-def nic_of(probe: Probe) -> tuple[str, float, str] | None:
-    """(kind, Gbit/s per node, what was seen) of a probed node, or None when nothing tells."""
-    active = [(port, layer, gbps) for port, layer, state, gbps in probe.rdma if "ACTIVE" in state.upper() and gbps > 0]
-    for kind, layer in (("ib", "infiniband"), ("roce", "ethernet")):
-        ports = [(p, g) for p, lay, g in active if lay.lower() == layer]
-        if ports:
-            return kind, sum(g for _, g in ports), ", ".join(f"{p} {g:g} Gb/s" for p, g in ports)
-    up = [(name, gbps, kind) for name, state, gbps, kind in probe.net if state in ("up", "unknown") and gbps > 0]
-    real = [i for i in up if i[2] in ("physical", "bond")]
-    # A bond's speed is the sum of its members: take it rather than a member.
-    bonds = [i for i in real if i[2] == "bond"]
-    candidates = bonds or real or up
-    if not candidates:
-        return None
-    name, gbps, kind = max(candidates, key=lambda i: i[1])
-    return "ethernet", gbps, f"{name} {gbps:g} Gb/s ({kind})"
 
 
 # ----- labels to catalog devices -----------------------------------------------------------
@@ -379,68 +145,6 @@ class Discovery:
     table: list[str]
 
 
-def _run(command: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(list(command), 124, "", f"no answer in {timeout:.0f} s")
-
-
-def _slurm(run: Runner, *command: str) -> str:
-    done = run(command, 60)
-    if done.returncode != 0:
-        raise HeteroError(f"`{' '.join(command)}` failed: {(done.stderr or done.stdout).strip()[:500]}\n"
-                          "check that slurmctld is up and that SLURM_CONF (or /etc/slurm/slurm.conf) is "
-                          "this cluster's configuration")
-    return done.stdout
-
-
-def scontrol_show(what: str, run: Runner = _run) -> str:
-    """`scontrol show WHAT -o` of the Slurm cluster that scontrol on PATH talks to (node,
-    partition: parse_nodes, parse_fields read it); a failure names the likely cause."""
-    return _slurm(run, "scontrol", "show", what, "-o")
-
-
-PROBES_AT_ONCE = 32  # srun requests in flight: enough to be quick, few enough for slurmctld
-
-
-def probe_nodes(nodes: list[tuple[str, str]], timeout: float) -> dict[str, tuple[Probe | None, str]]:
-    """Runs the probe on every (node, partition), PROBES_AT_ONCE at a time: node ->
-    (probe, error). timeout counts from each node's srun start (it may wait for the node)."""
-    waiting = list(nodes)
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
-    results: dict[str, tuple[Probe | None, str]] = {}
-    while waiting or running:
-        while waiting and len(running) < PROBES_AT_ONCE:
-            node, partition = waiting.pop(0)
-            command = ["srun", "--quiet", "-J", "hetero-discover", "-p", partition, "-w", node, "-N1", "-n1",
-                       "-t", "1", "sh", "-c", PROBE_SCRIPT]
-            running[node] = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                              stdin=subprocess.DEVNULL), time.monotonic() + timeout)
-        for node, (proc, deadline) in list(running.items()):
-            if proc.poll() is None and time.monotonic() < deadline:
-                continue
-            del running[node]
-            if proc.poll() is None:
-                proc.terminate()  # srun cancels its job request on SIGTERM
-                try:
-                    proc.communicate(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.communicate()
-                results[node] = (None, (f"no answer in {timeout:.0f} s (node busy? raise --probe-timeout, "
-                                        "or pass --no-probe with --nic)"))
-                continue
-            out, err = proc.communicate()
-            probe = parse_probe(out)
-            if proc.returncode != 0 or not probe.complete:
-                results[node] = (None, f"srun exited with {proc.returncode}: {err.strip()[:300]}")
-            else:
-                results[node] = (probe, "")
-        time.sleep(0.02)
-    return results
-
-
 @dataclass(frozen=True)
 class DiscoveredNode:
     slurm: SlurmNode
@@ -453,7 +157,7 @@ class DiscoveredNode:
     nic_from: str
 
 
-def discover_slurm(options: DiscoverOptions, run: Runner = _run,
+def discover_slurm(options: DiscoverOptions, run: Runner = run_command,
                    probe: Callable[[list[tuple[str, str]], float], dict] = probe_nodes) -> Discovery:
     """The cluster spec (a dict that Cluster.from_dict accepts) of the Slurm cluster the
     Slurm commands on PATH talk to."""
@@ -470,7 +174,7 @@ def discover_slurm(options: DiscoverOptions, run: Runner = _run,
     probes = probe([(n.name, home) for n, home in homes.items()], options.probe_timeout_s) if options.probe else {}
     found = _describe(homes, probes, device_map, options, notes)
     rule, islands = _groups(options.group_by, found, run, notes)
-    spec = _spec(found, islands, options, _config_value(_slurm(run, "scontrol", "show", "config"), "ClusterName"))
+    spec = _spec(found, islands, options, _config_value(slurm_output(run, "scontrol", "show", "config"), "ClusterName"))
     if len(spec["groups"]) > 1 and not options.inter_group:
         notes.append("inter_group links are ethernet at the slower node NIC of each pair (Slurm does not know "
                      "them): pass --inter-group KIND:GBPS")
@@ -503,13 +207,13 @@ def _checked_device_map(options: DiscoverOptions) -> dict[str, str]:
 def _available_nodes(wanted: list[str], run: Runner, notes: list[str]) -> dict[SlurmNode, str]:
     """The available nodes of the wanted partitions (default: all), each with its home: the
     smallest of those partitions holding it, the most specific one."""
-    partitions = parse_partitions(_slurm(run, "scontrol", "show", "partition", "-o"))
+    partitions = parse_partitions(slurm_output(run, "scontrol", "show", "partition", "-o"))
     unknown = [p for p in wanted if p not in partitions]
     if unknown:
         raise HeteroError(f"partition {', '.join(unknown)} does not exist in this Slurm cluster; its partitions: "
                           f"{', '.join(partitions) or 'none'} (sinfo -s lists them)")
     chosen = list(dict.fromkeys(wanted)) or partitions
-    every = parse_nodes(_slurm(run, "scontrol", "show", "node", "-o"))
+    every = parse_nodes(slurm_output(run, "scontrol", "show", "node", "-o"))
     size = {p: sum(p in n.partitions for n in every) for p in chosen}
     in_chosen = [n for n in every if set(n.partitions) & set(chosen)]
     left_out = [f"{n.name} ({n.state})" for n in in_chosen if not n.available]

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
-from hetero.spec import discover
+from hetero.spec import slurm_text
 from hetero.spec.cluster import Cluster, Node
 from hetero.spec.profiles import ComputeProfile, LinkProfile
 from hetero.spec.slurm_steps import Step, StepError, run_steps, terminate_as_interrupt
@@ -111,13 +111,13 @@ def node_class(node: Node) -> tuple:
 def default_partition(partitions_text: str) -> str | None:
     """Slurm's default partition, from `scontrol show partition -o`."""
     for line in partitions_text.splitlines():
-        fields = discover.parse_fields(line) if line.startswith("PartitionName=") else {}
+        fields = slurm_text.parse_fields(line) if line.startswith("PartitionName=") else {}
         if fields.get("Default") == "YES":
             return fields["PartitionName"]
     return None
 
 
-def choose_nodes(cluster: Cluster, slurm: Sequence[discover.SlurmNode], partitions: Sequence[str],
+def choose_nodes(cluster: Cluster, slurm: Sequence[slurm_text.SlurmNode], partitions: Sequence[str],
                  default: str | None, notes: list[str]
                  ) -> tuple[list[Chosen], list[Chosen], dict[tuple, list[str]]]:
     """(one node per device type for the compute steps, the nodes of the links step, node
@@ -290,14 +290,14 @@ def profile_slurm(options: ProfileOptions, progress: Callable[[str], None] = pri
         raise HeteroError("give the model's Megatron flags after `--` (e.g. -- --num-layers 32 --hidden-size 4096 "
                           "...), as training will get them: the profile is of that model's layers")
     cluster = Cluster.load(options.cluster)
-    partitions = discover.scontrol_show("partition")
-    known = discover.parse_partitions(partitions)
+    partitions = slurm_text.scontrol_show("partition")
+    known = slurm_text.parse_partitions(partitions)
     unknown = [p for p in options.partitions if p not in known]
     if unknown:
         raise HeteroError(f"partition {', '.join(unknown)} does not exist in this Slurm cluster; its partitions: "
                           f"{', '.join(known) or 'none'} (sinfo -s lists them)")
     notes: list[str] = []
-    compute, link_nodes, classes = choose_nodes(cluster, discover.parse_nodes(discover.scontrol_show("node")),
+    compute, link_nodes, classes = choose_nodes(cluster, slurm_text.parse_nodes(slurm_text.scontrol_show("node")),
                                                 options.partitions, default_partition(partitions), notes)
     out = Path(options.output_dir).absolute()
     try:

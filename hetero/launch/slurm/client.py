@@ -1,26 +1,17 @@
-"""The Slurm commands hetero-launch --slurm and its driver run (scontrol, sbatch, srun, squeue,
-scancel, salloc): each through run_command, so that a command that hangs cannot hang us, and
-the driver's through one object (Slurm), so that a test can stand in for them."""
+"""The Slurm commands hetero-launch --slurm and its driver run (scontrol, sbatch, squeue,
+scancel, salloc): each through a Runner (slurm_text.run_command: a command that does not
+answer comes back as exit code 124, so that a hung slurmctld cannot hang us), the driver's
+through one object (Slurm), so that a test can stand in for them."""
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.spec import discover
-
-Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess]
-
-
-def run_command(command: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
-    """Runs a Slurm command; a command that does not answer comes back as exit code 124."""
-    try:
-        return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(list(command), 124, "", f"no answer in {timeout:.0f} s")
+from hetero.spec import slurm_text
+from hetero.spec.slurm_text import Runner, run_command
 
 
 # ----- before submitting: what Slurm has, and sbatch -------------------------------------------
@@ -28,7 +19,7 @@ def run_command(command: Sequence[str], timeout: float = 60) -> subprocess.Compl
 
 @dataclass
 class SlurmView:
-    nodes: list[discover.SlurmNode]
+    nodes: list[slurm_text.SlurmNode]
     partitions: list[str]
     default_partition: str | None
 
@@ -44,10 +35,10 @@ def read_slurm(run: Runner = run_command) -> SlurmView:
         return done.stdout
 
     partitions_text = scontrol("partition")
-    default = next((discover.parse_fields(line)["PartitionName"] for line in partitions_text.splitlines()
-                    if line.startswith("PartitionName=") and discover.parse_fields(line).get("Default") == "YES"),
+    default = next((slurm_text.parse_fields(line)["PartitionName"] for line in partitions_text.splitlines()
+                    if line.startswith("PartitionName=") and slurm_text.parse_fields(line).get("Default") == "YES"),
                    None)
-    return SlurmView(discover.parse_nodes(scontrol("node")), discover.parse_partitions(partitions_text), default)
+    return SlurmView(slurm_text.parse_nodes(scontrol("node")), slurm_text.parse_partitions(partitions_text), default)
 
 
 def submit(script: Path, run: Runner = run_command) -> str:
@@ -70,8 +61,11 @@ def submit(script: Path, run: Runner = run_command) -> str:
 class Slurm:
     """The Slurm commands the driver uses (one place, so that a test can stand in for them)."""
 
-    def __init__(self, run: Runner = run_command):
+    def __init__(self, run: Runner = run_command, workdir: str | None = None):
         self.run = run
+        # `scontrol update` of a job's nodes writes slurm_job_<id>_resize.{sh,csh} into its
+        # working directory: the run directory, not the user's checkout.
+        self.workdir = workdir
         self.slurmd_started: dict[str, str] = {}
 
     def _checked(self, command: list[str], what: str, timeout: float = 60) -> str:
@@ -80,13 +74,13 @@ class Slurm:
             raise HeteroError(f"{what}: `{' '.join(command)}` failed: {(done.stderr or done.stdout).strip()[:300]}")
         return done.stdout
 
-    def nodes(self) -> dict[str, discover.SlurmNode]:
+    def nodes(self) -> dict[str, slurm_text.SlurmNode]:
         """Every node as `scontrol show node` reports it; slurmd_started: when each node's
         slurmd started (a node restarted since it was lost has a new one)."""
         text = self._checked(["scontrol", "show", "node", "-o"], "reading the nodes")
         self.slurmd_started = {fields["NodeName"]: fields.get("SlurmdStartTime", "")
-                               for fields in map(discover.parse_fields, text.splitlines()) if "NodeName" in fields}
-        return {n.name: n for n in discover.parse_nodes(text)}
+                               for fields in map(slurm_text.parse_fields, text.splitlines()) if "NodeName" in fields}
+        return {n.name: n for n in slurm_text.parse_nodes(text)}
 
     def job_nodes(self, job_id: str) -> list[str]:
         """The nodes a job (one component's job id) holds now."""
@@ -96,15 +90,16 @@ class Slurm:
         """(the nodes a job - one component's job id - holds now, its batch host)."""
         text = self._checked(["scontrol", "show", "job", "-o", job_id], f"reading job {job_id}")
         for line in text.splitlines():
-            fields = discover.parse_fields(line)
+            fields = slurm_text.parse_fields(line)
             if fields.get("JobId") == job_id:
                 node_list = fields.get("NodeList", "")
-                nodes = [] if node_list in ("", "(null)") else discover.expand_hostlist(node_list)
+                nodes = [] if node_list in ("", "(null)") else slurm_text.expand_hostlist(node_list)
                 return nodes, fields.get("BatchHost", "")
         return [], ""
 
     def shrink(self, job_id: str, keep: list[str]) -> None:
-        self._checked(["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(keep)}"],
+        chdir = ["env", f"--chdir={self.workdir}"] if self.workdir else []
+        self._checked([*chdir, "scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(keep)}"],
                       f"taking lost nodes out of job {job_id}")
 
     def cancel(self, *ids: str) -> None:

@@ -19,7 +19,7 @@ from hetero.launch.slurm.features import auto_feature, features_of, gpu_count, m
 from hetero.launch.slurm.client import SlurmView
 from hetero.launch.slurm.options import CONSTRAINT_MODES, LaunchOptions
 from hetero.plan import Plan
-from hetero.spec import discover
+from hetero.spec import slurm_text
 from hetero.spec.catalog import NIC_KINDS
 
 _FEATURE = re.compile(r"[A-Za-z0-9_.+-]+$")
@@ -137,9 +137,9 @@ def plan_components(plan: Plan, view: SlurmView, options: LaunchOptions) -> tupl
     return components, notes
 
 
-def _feature_eligible(cls: NodeClass, pool: list[discover.SlurmNode], devices: dict[str, str | None],
+def _feature_eligible(cls: NodeClass, pool: list[slurm_text.SlurmNode], devices: dict[str, str | None],
                       unknown: dict[str, str], where: str, options: LaunchOptions, taken: dict[str, int],
-                      problems: list[str]) -> tuple[str | None, list[discover.SlurmNode]]:
+                      problems: list[str]) -> tuple[str | None, list[slurm_text.SlurmNode]]:
     """--constraint-by feature: (the class's feature expression, the nodes it selects that hold
     its ranks); (None, []) when there is none to use (the problem added to problems). taken:
     the nodes of each device type that the components before take (updated)."""
@@ -190,8 +190,8 @@ def _feature_eligible(cls: NodeClass, pool: list[discover.SlurmNode], devices: d
     return expression, eligible
 
 
-def _nodelist_eligible(cls: NodeClass, pool: list[discover.SlurmNode], devices: dict[str, str | None],
-                       where: str, problems: list[str]) -> list[discover.SlurmNode]:
+def _nodelist_eligible(cls: NodeClass, pool: list[slurm_text.SlurmNode], devices: dict[str, str | None],
+                       where: str, problems: list[str]) -> list[slurm_text.SlurmNode]:
     """--constraint-by nodelist: the class's hosts as nodes of the pool that can run its
     ranks; a host that cannot, named in problems."""
     names = {n.name: n for n in pool}
@@ -212,7 +212,7 @@ def _nodelist_eligible(cls: NodeClass, pool: list[discover.SlurmNode], devices: 
     return eligible
 
 
-def _env_problems(rules: Sequence[EnvRule], plan: Plan, pool: list[discover.SlurmNode],
+def _env_problems(rules: Sequence[EnvRule], plan: Plan, pool: list[slurm_text.SlurmNode],
                   components: list[Component]) -> list[str]:
     """--env selectors that name nothing of this job (a typo would silently set nothing)."""
     known = {n.name.lower() for n in pool} | {h.lower() for h, _ in plan.hosts()} | set(NIC_KINDS)
@@ -263,7 +263,8 @@ def single_job_sbatch(components: list[Component], partition: str | None, option
     result = [f"--nodes={sum(len(c.hosts) for c in components)}", "--ntasks-per-node=1"]
     if options.constraint_by == "feature":
         counts = "&".join(f"{c.constraint}*{len(c.hosts)}" for c in components)
-        result.append(f"--constraint={components[0].constraint}" if len(components) == 1 else f"--constraint=[{counts}]")
+        result.append(f"--constraint={components[0].constraint}" if len(components) == 1
+                      else f"--constraint=[{counts}]")
     else:
         result.append(f"--nodelist={','.join(h for c in components for h in c.nodelist or [])}")
     if gpus[0]:

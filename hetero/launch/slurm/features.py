@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hetero.plan import Plan
-from hetero.spec import discover
+from hetero.spec import discover, slurm_text
 
 
 def feature_terms(expression: str) -> list[list[str]]:
@@ -14,18 +14,18 @@ def feature_terms(expression: str) -> list[list[str]]:
     return [[f.strip() for f in term.split("&") if f.strip()] for term in expression.split("|") if term.strip()]
 
 
-def matches_features(node: discover.SlurmNode, expression: str) -> bool:
+def matches_features(node: slurm_text.SlurmNode, expression: str) -> bool:
     have = set(node.features)
     return any(set(term) <= have for term in feature_terms(expression))
 
 
-def gpu_count(node: discover.SlurmNode) -> int | None:
+def gpu_count(node: slurm_text.SlurmNode) -> int | None:
     """GPUs Slurm lists on the node (GRES), None when it lists none."""
     return sum(g.count for g in node.gpus) or None
 
 
-def node_devices(nodes: Sequence[discover.SlurmNode], plan: Plan,
-                  device_map: dict[str, str]) -> tuple[dict[str, str | None], dict[str, str]]:
+def node_devices(nodes: Sequence[slurm_text.SlurmNode], plan: Plan,
+                 device_map: dict[str, str]) -> tuple[dict[str, str | None], dict[str, str]]:
     """(node -> catalog device or None, node -> why it is unknown). Slurm's labels first (as
     discover reads them); where they name several devices or none, the plan's recorded
     cluster settles it for the nodes it names (a spec discovered from this cluster)."""
@@ -48,8 +48,8 @@ def node_devices(nodes: Sequence[discover.SlurmNode], plan: Plan,
     return devices, problems
 
 
-def auto_feature(device: str, pool: list[discover.SlurmNode], devices: dict[str, str | None],
-                  device_map: dict[str, str]) -> str | None:
+def auto_feature(device: str, pool: list[slurm_text.SlurmNode], devices: dict[str, str | None],
+                 device_map: dict[str, str]) -> str | None:
     """The shortest feature expression that every `device` node of the pool has and that no
     other node of the pool (nor one of unknown device) has; features naming the device first."""
     members = [n for n in pool if devices[n.name] == device]
@@ -72,6 +72,6 @@ def auto_feature(device: str, pool: list[discover.SlurmNode], devices: dict[str,
     return None
 
 
-def features_of(pool: list[discover.SlurmNode], devices: dict[str, str | None], device: str) -> list[str]:
+def features_of(pool: list[slurm_text.SlurmNode], devices: dict[str, str | None], device: str) -> list[str]:
     """The features of the pool's `device` nodes (for a message; ["none"] when they have none)."""
     return sorted({f for n in pool if devices[n.name] == device for f in n.features}) or ["none"]

@@ -21,6 +21,8 @@ DEFAULT_POLL_S = 10.0  # how often the driver looks for returned nodes (an scont
 
 @dataclass
 class LaunchOptions:
+    """The --slurm options as the components, the script and the run directory read them."""
+
     partition: str | None = None
     account: str | None = None
     time: str | None = None
@@ -77,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _mapping(flag: str, items: Sequence[str]) -> dict[str, str]:
+    """Repeated KEY=VALUE flags (--feature, --device-map) as a dict, read as discover reads them."""
     result = {}
     for text in items:
         key, value = discover.parse_mapping(flag, text)
@@ -85,6 +88,7 @@ def _mapping(flag: str, items: Sequence[str]) -> dict[str, str]:
 
 
 def launch_options(options: argparse.Namespace) -> LaunchOptions:
+    """The parsed command line as LaunchOptions (labels of --device-map compared lowercase)."""
     device_map = {label.lower(): device for label, device in _mapping("--device-map", options.device_map).items()}
     return LaunchOptions(
         partition=options.partition, account=options.account, time=options.time,
@@ -109,7 +113,8 @@ def slurm_options_given(options: argparse.Namespace) -> bool:
 def check_flags(options: argparse.Namespace, train_args: Sequence[str]) -> list[str]:
     """Flag mistakes, before Slurm is asked anything; notes for what is allowed but unwise."""
     if not options.slurm:
-        given = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(options, name) not in (None, False, [])]
+        given = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY
+                 if getattr(options, name) not in (None, False, [])]
         raise HeteroError(f"{', '.join(given)} {'is a' if len(given) == 1 else 'are'} --slurm option"
                           f"{'' if len(given) == 1 else 's'}: add --slurm")
     if options.poll_s <= 0:

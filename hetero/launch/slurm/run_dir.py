@@ -25,7 +25,7 @@ def default_run_dir(plan_path: str) -> Path:
 
 
 def write_run_dir(run_dir: Path, plan_path: str, components: list[Component], script: str,
-                   options: LaunchOptions) -> None:
+                  options: LaunchOptions) -> None:
     """Writes the run directory; refuses one that already holds a job."""
     if (run_dir / SCRIPT_FILE).exists():
         raise HeteroError(f"{run_dir} already holds a job ({SCRIPT_FILE}); pick another --run-dir")

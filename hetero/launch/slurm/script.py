@@ -1,5 +1,5 @@
 """The batch script hetero-launch --slurm writes: #SBATCH lines per component, and a body that
-runs the driver (hetero.launch.slurm.driver) on the first node of component 0."""
+runs the driver (hetero.launch.slurm_driver) on the first node of component 0."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hetero.launch.slurm.components import Component, single_job_sbatch
 from hetero.launch.slurm.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S, LaunchOptions
 from hetero.plan import Plan
 
-DRIVER_MODULE = "hetero.launch.slurm.driver"
+DRIVER_MODULE = "hetero.launch.slurm_driver"
 
 
 def driver_command(run_dir: Path, options: LaunchOptions, train_args: Sequence[str]) -> list[str]:
