@@ -102,7 +102,7 @@ GPU_SCRIPT = [
     "--distributed-backend", "nccl", "--no-gradient-accumulation-fusion",
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "1",
     "--lr", "1e-4", "--lr-decay-style", "cosine", "--log-interval", "1",
     "--mock-data", "--tokenizer-type", "GPT2BPETokenizer",
 ]
