@@ -51,23 +51,11 @@ def read_recipe(path: Path) -> list[tuple[str, str | None]]:
     return flags
 
 
-def _tokenizer_files(flags: dict, workdir: Path) -> dict[str, str]:
-    kind = flags.get("--tokenizer-type", "GPT2BPETokenizer")
-    if kind == "GPT2BPETokenizer":
-        vocab, merges = tiny_tokenizers.gpt2_bpe_files(workdir / "gpt2")
-        return {"--vocab-file": str(vocab), "--merge-file": str(merges)}
-    if kind == "HuggingFaceTokenizer":
-        return {"--tokenizer-model": str(tiny_tokenizers.huggingface_dir(workdir / "hf"))}
-    if kind == "TikTokenizer":
-        return {"--tokenizer-model": str(tiny_tokenizers.tiktoken_vocab(workdir / "tik"))}
-    return {"--tokenizer-model": str(tiny_tokenizers.sentencepiece_model(workdir / "spm"))}
-
-
 def scale_down(path: Path, workdir: Path) -> list[str]:
     """The recipe's flags under the documented scale-down rule (tests/recipes/README.md)."""
     flags = read_recipe(path)
     known = {s for action in build_parser()._actions for s in action.option_strings}
-    files = _tokenizer_files(dict(flags), workdir)
+    files = tiny_tokenizers.files_for(dict(flags).get("--tokenizer-type", "GPT2BPETokenizer"), workdir)
     paths = {"--save": workdir / "ckpt", "--load": workdir / "ckpt",
              "--tensorboard-dir": workdir / "tb", "--data-cache-path": workdir / "cache"}
     out: list[str] = []

@@ -70,3 +70,18 @@ def tiktoken_vocab(directory: Path) -> Path:
     path = directory / "tiktoken.json"
     path.write_text(json.dumps(vocab))
     return path
+
+
+def files_for(kind: str, directory: Path) -> dict[str, str]:
+    """The file flags a --tokenizer-type reads (--vocab-file/--merge-file or --tokenizer-model),
+    pointing at tiny files of that type made under directory; {} for a type that reads none."""
+    if kind == "GPT2BPETokenizer":
+        vocab, merges = gpt2_bpe_files(directory / "gpt2")
+        return {"--vocab-file": str(vocab), "--merge-file": str(merges)}
+    if kind == "HuggingFaceTokenizer":
+        return {"--tokenizer-model": str(huggingface_dir(directory / "hf"))}
+    if kind == "TikTokenizer":
+        return {"--tokenizer-model": str(tiktoken_vocab(directory / "tik"))}
+    if kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"):
+        return {"--tokenizer-model": str(sentencepiece_model(directory / "spm"))}
+    return {}

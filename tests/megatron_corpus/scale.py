@@ -75,19 +75,6 @@ def layout_of(pairs: list[list[str]]) -> Layout:
                   ep=_int(flags, "--expert-model-parallel-size", 1), virtual=virtual)
 
 
-def _tokenizer_files(kind: str, workdir: Path) -> dict[str, str]:
-    if kind == "GPT2BPETokenizer":
-        vocab, merges = tiny_tokenizers.gpt2_bpe_files(workdir / "gpt2")
-        return {"--vocab-file": str(vocab), "--merge-file": str(merges)}
-    if kind == "HuggingFaceTokenizer":
-        return {"--tokenizer-model": str(tiny_tokenizers.huggingface_dir(workdir / "hf"))}
-    if kind == "TikTokenizer":
-        return {"--tokenizer-model": str(tiny_tokenizers.tiktoken_vocab(workdir / "tik"))}
-    if kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"):
-        return {"--tokenizer-model": str(tiny_tokenizers.sentencepiece_model(workdir / "spm"))}
-    return {}
-
-
 def sizes(pairs: list[list[str]]) -> dict[str, str]:
     """Tiny values for the size and length flags, kept divisible by the recipe's layout."""
     flags = {p[0]: (p[1] if len(p) > 1 else None) for p in pairs}
@@ -126,7 +113,7 @@ def scale_down(pairs: list[list[str]], workdir: Path) -> list[str]:
     """The recipe's command line under the rule above (the layout flags untouched)."""
     flags = {p[0]: (p[1] if len(p) > 1 else None) for p in pairs}
     table = sizes(pairs)
-    files = _tokenizer_files(flags.get("--tokenizer-type") or "GPT2BPETokenizer", workdir)
+    files = tiny_tokenizers.files_for(flags.get("--tokenizer-type") or "GPT2BPETokenizer", workdir)
     out: list[str] = []
     for pair in pairs:
         flag, value = pair[0], (pair[1] if len(pair) > 1 else None)
