@@ -233,13 +233,7 @@ def _sbatch_options(component: Component, partition: str | None, options: Launch
         result.append(f"--nodelist={','.join(component.nodelist)}")
     if component.gpus_per_node:
         result.append(f"--gres=gpu:{component.gpus_per_node}")
-    # Whole nodes: the ranks need every core and all memory of their node; and --no-kill,
-    # so that a failed node leaves the allocation to the driver instead of ending the job.
-    result += ["--exclusive", "--mem=0", "--no-kill"]
-    for flag, value in (("--partition", partition), ("--account", options.account), ("--time", options.time)):
-        if value:
-            result.append(f"{flag}={value}")
-    return result + list(options.sbatch_args)
+    return result + _job_wide_options(partition, options)
 
 
 def single_job_sbatch(components: list[Component], partition: str | None, options: LaunchOptions) -> list[str]:
@@ -269,7 +263,15 @@ def single_job_sbatch(components: list[Component], partition: str | None, option
         result.append(f"--nodelist={','.join(h for c in components for h in c.nodelist or [])}")
     if gpus[0]:
         result.append(f"--gres=gpu:{gpus[0]}")
-    result += ["--exclusive", "--mem=0", "--no-kill"]
+    return result + _job_wide_options(partition, options)
+
+
+def _job_wide_options(partition: str | None, options: LaunchOptions) -> list[str]:
+    """What every layout asks of Slurm beyond where the nodes are: whole nodes (the ranks need
+    every core and all memory of their node), --no-kill (a failed node leaves the allocation
+    to the driver instead of ending the job), and the user's partition, account, time and
+    extra sbatch options."""
+    result = ["--exclusive", "--mem=0", "--no-kill"]
     for flag, value in (("--partition", partition), ("--account", options.account), ("--time", options.time)):
         if value:
             result.append(f"{flag}={value}")
