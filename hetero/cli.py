@@ -16,7 +16,7 @@ import sys
 from typing import Sequence
 
 from hetero.errors import HeteroError
-from hetero.jobs import explain, plan_job
+from hetero.jobs import Objective, explain, plan_for_objective
 from hetero.plan import Plan
 from hetero.predict.costs import RECOMPUTE_MODES, TrainingSetup
 from hetero.report import (measured_against_predicted, measured_iteration_times_s, memory_table, summary,
@@ -69,6 +69,13 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="the recipe sets hidden and attention dropout to 0 (no masks kept)")
     p.add_argument("--tensor-parallel", type=_int_list, default=(1, 2, 4, 8), help="degrees to try")
     p.add_argument("--micro-batch-size", type=_int_list, default=(1, 2, 4, 8), help="sizes to try")
+    p.add_argument("--objective", choices=["throughput", "cost", "energy"], default="throughput",
+                   help="throughput: the most tokens/s; cost: the fewest $ per token (prices: the "
+                        "cluster spec's prices_per_hour); energy: the fewest J per token (board power)")
+    p.add_argument("--min-tokens-per-s", type=float, default=None, metavar="T",
+                   help="with --objective cost/energy: a throughput floor")
+    p.add_argument("--max-dollars-per-hour", type=float, default=None, metavar="D",
+                   help="a budget: the rent of the devices the plan uses, $ per hour")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-upper-bound", action="store_true")
     p.add_argument("-o", "--output", required=True, help="plan.json to write")
@@ -108,10 +115,11 @@ def _plan_command(argv: Sequence[str]) -> int:
     def progress(step: str) -> None:
         print(f"  searching {step} ...", file=sys.stderr, flush=True)
 
-    job = plan_job(cluster, model, args.global_batch_size, options, profiles,
-                   with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
-                   progress=None if args.quiet else progress, profiles_source=args.profiles,
-                   precision=args.precision)
+    objective = Objective(args.objective, args.min_tokens_per_s, args.max_dollars_per_hour)
+    job, _ = plan_for_objective(cluster, model, args.global_batch_size, options, objective, profiles,
+                                progress=None if args.quiet else progress,
+                                with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
+                                profiles_source=args.profiles, precision=args.precision)
     job.plan.save(args.output)
     print(summary(job.plan, job.prediction, cluster, f"hetero-plan: wrote {args.output}"))
     if args.timeline:

@@ -49,6 +49,7 @@ EVENTS_DIR = "HETERO_EVENTS_DIR"
 COMM_CHUNK_BYTES = "HETERO_COMM_CHUNK_BYTES"
 COMM_WRAP_SINGLE_VENDOR = "HETERO_COMM_WRAP_SINGLE_VENDOR"
 ALLOW_UNTESTED_MEGATRON_CORE = "HETERO_ALLOW_UNTESTED_MEGATRON_CORE"
+PEER_TIMEOUT_S = "HETERO_PEER_TIMEOUT_S"
 
 VARIABLES: dict[str, str] = {
     RANK: "this process's launch rank (torchrun)",
@@ -73,10 +74,13 @@ VARIABLES: dict[str, str] = {
     COMM_WRAP_SINGLE_VENDOR: "1: one-vendor groups run on the hetero backend's C++ pass-through "
                              "even without GPUs (tests, overhead benchmarks)",
     ALLOW_UNTESTED_MEGATRON_CORE: "1: run on a megatron-core version the patches were not tested with",
+    PEER_TIMEOUT_S: "seconds without a heartbeat before the watchdog takes a neighbour rank "
+                    "(or the rendezvous store) for lost (default 10)",
 }
 
 DEFAULT_TRACE_ITERATION = 3
 DEFAULT_COMM_CHUNK_BYTES = 4 << 20
+DEFAULT_PEER_TIMEOUT_S = 10
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -293,6 +297,12 @@ def comm_wrap_single_vendor(environ: Mapping[str, str] | None = None) -> bool:
 
 def allow_untested_megatron_core(environ: Mapping[str, str] | None = None) -> bool:
     return flag(ALLOW_UNTESTED_MEGATRON_CORE, False, environ)
+
+
+def peer_timeout_s(environ: Mapping[str, str] | None = None) -> int:
+    # At least 2 heartbeats (1 s apart) must be missed: a shorter bound would take a busy
+    # but healthy rank for dead.
+    return integer(PEER_TIMEOUT_S, DEFAULT_PEER_TIMEOUT_S, 2, environ, "a number of seconds")
 
 
 def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:

@@ -187,6 +187,8 @@ class BaselineRecord(_Informational):
     recompute: Literal["none", "selective", "full"]
     iteration_time_s: Amount
     tokens_per_s: Amount
+    dollars_per_million_tokens: Amount | None = Field(default=None, description="null: a device has no price")
+    joules_per_token: Amount | None = Field(default=None, description="at board power; null: unknown power")
 
 
 class PredictionRecord(_Informational):
@@ -207,6 +209,9 @@ class PredictionRecord(_Informational):
     baseline: BaselineRecord | None = Field(
         default=None, description="null: no uniform Megatron plan fits; left out: not computed")
     speedup_over_baseline: Amount | None = None
+    dollars_per_million_tokens: Amount | None = Field(default=None, description="null: a device has no price")
+    joules_per_token: Amount | None = Field(default=None, description="at board power; null: unknown power")
+    objective: str | None = Field(default=None, description="what the plan was chosen for, for a person")
 
     @model_validator(mode="after")
     def _check_pairs(self) -> "PredictionRecord":

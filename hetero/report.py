@@ -28,6 +28,17 @@ def _replica_groups(plan: Plan) -> list[tuple[int, str, int]]:
     return out
 
 
+def _per_token_text(record) -> str:
+    """'$0.42 per 1M tokens | 0.31 J/token' from a prediction or baseline record ('' when
+    neither is known)."""
+    parts = []
+    if record.dollars_per_million_tokens is not None:
+        parts.append(f"${record.dollars_per_million_tokens:.3g} per 1M tokens")
+    if record.joules_per_token is not None:
+        parts.append(f"{record.joules_per_token:.3g} J/token (devices at board power)")
+    return " | ".join(parts)
+
+
 def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) -> str:
     info, training, provenance = plan.prediction, plan.training, plan.provenance
     lines = [title, f"cluster    {cluster.describe()}"]
@@ -74,6 +85,14 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
         line += (f" | {info.fraction_of_upper_bound:.1%} of the upper bound "
                  f"({info.upper_bound.tokens_per_s:,.0f} tokens/s)")
     lines.append(line)
+    if info is not None and info.fraction_of_upper_bound is not None and info.fraction_of_upper_bound > 1:
+        lines.append("           (above 100%: the bound is each device type training alone; together a "
+                     "type can run a cheaper layout, holding fewer layers with less sharding, "
+                     "recomputation or pipeline bubble, than it needs alone)")
+    if info is not None and (cost := _per_token_text(info)):
+        lines.append(f"per token  {cost}")
+    if info is not None and info.objective:
+        lines.append(f"objective  {info.objective}")
     baseline = info.baseline if info is not None else None
     if baseline is not None:
         lines.append(
@@ -82,6 +101,8 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
             f"{baseline.devices}: {baseline.iteration_time_s:.3f} s, "
             f"{baseline.tokens_per_s:,.0f} tokens/s -> speed-up {info.speedup_over_baseline:.2f}x"
         )
+        if cost := _per_token_text(baseline):
+            lines.append(f"           baseline per token: {cost}")
     elif info is not None and "baseline" in info.model_fields_set:
         lines.append("baseline   no uniform Megatron plan fits this cluster")
     if provenance is not None and provenance.search_time_s is not None:

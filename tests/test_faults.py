@@ -25,7 +25,7 @@ from hetero import events
 from hetero.events import Event, LostRanks, Stopped
 from hetero.spec.cluster import Cluster
 from hetero.plan import Plan
-from megatron.hetero.watchdog import PEER_TIMEOUT_S, _process_exists
+from megatron.hetero.watchdog import _process_exists
 from tools.emulator import EmulatedCluster, RankLayout
 
 pytestmark = pytest.mark.slow
@@ -33,6 +33,14 @@ pytestmark = pytest.mark.slow
 PLAN = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1])
 ARGS = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--use-distributed-optimizer"]
 REFERENCE_ITERS = 24
+# The watchdog's bound for a silent neighbour (HETERO_PEER_TIMEOUT_S; 10 s by default): shorter
+# here so that the frozen-worker and dropped-link cases wait less, still 5 missed heartbeats.
+PEER_TIMEOUT_S = 5
+
+
+@pytest.fixture(autouse=True)
+def _short_peer_timeout(monkeypatch):
+    monkeypatch.setenv("HETERO_PEER_TIMEOUT_S", str(PEER_TIMEOUT_S))
 
 
 def _losses(recorded: list[Event]) -> dict[int, float]:

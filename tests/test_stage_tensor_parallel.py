@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from conftest import LLAMA_MODEL, TRAINING, assert_same_training, make_plan, run_pretrain
+from conftest import GPT_MODEL, LLAMA_MODEL, TRAINING, assert_same_training, make_plan, run_pretrain
 from hetero.errors import PlanError
 from hetero.plan import Plan
 from megatron.hetero.stage_tensor_parallel import rank_groups, stage_pieces
@@ -129,13 +129,39 @@ def test_tp2_then_tp1_distributed_optimizer_sequence_parallel(tmp_path, llama_re
     assert_same_training(llama_reference, result)
 
 
-def test_a_tied_model_across_different_degrees_is_refused_on_every_rank(tmp_path):
-    from conftest import GPT_MODEL
+# A tied model (GPT_MODEL: one table for the input embedding and the output layer) whose
+# first and last stage differ in degree: the two copies' gradients are summed by vocabulary
+# row (stage_tensor_parallel.TiedEmbeddingGrads).
 
-    plan = make_plan(1, 2, 1, [2, 2], [8], [0, 1, 2], stage_tp=[2, 1])
-    result = run_pretrain(GPT_MODEL + TRAINING, nproc=3, plan=plan, tmp_path=tmp_path)
-    assert result.returncode == 2
-    assert result.output.count("--untie-embeddings-and-output-weights") >= 3, result.output[-3000:]
+
+@slow
+def test_tied_embedding_tp2_then_tp1_uneven_stages_unequal_replicas_permuted(tmp_path, gpt_reference):
+    plan = make_plan(1, 2, 2, [3, 1], [5, 3], [5, 0, 4, 1, 3, 2], stage_tp=[2, 1])
+    result = run_pretrain(GPT_MODEL + TRAINING, nproc=6, plan=plan, tmp_path=tmp_path)
+    assert_same_training(gpt_reference, result)
+
+
+@slow
+def test_tied_embedding_tp1_then_tp2_distributed_optimizer_resumed_at_tp2_then_tp1(tmp_path, gpt_reference):
+    """Trained at stage degrees (1, 2) with the distributed optimizer and sequence
+    parallelism, saved at iteration 3, resumed at degrees (2, 1) with another split: the same
+    training as one process, before and after the resume."""
+    flags = GPT_MODEL + TRAINING + ["--use-distributed-optimizer", "--sequence-parallel"]
+    saved = run_pretrain(flags + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "3"], nproc=6,
+                         plan=make_plan(1, 2, 2, [1, 3], [2, 6], [4, 1, 5, 0, 2, 3], stage_tp=[1, 2]),
+                         tmp_path=tmp_path)
+    assert saved.returncode == 0, saved.output[-3000:]
+    reference = gpt_reference.series("lm loss")
+    assert len(saved.series("lm loss")) == 3
+    for got, want in zip(saved.series("lm loss"), reference):
+        assert abs(got - want) <= 1e-4 * want, (saved.series("lm loss"), reference)
+    resumed = run_pretrain(flags + ["--load", str(tmp_path / "ckpt")], nproc=3,
+                           plan=make_plan(1, 2, 1, [2, 2], [8], [2, 0, 1], stage_tp=[2, 1]), tmp_path=tmp_path)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    got = resumed.iteration_losses()
+    assert sorted(got) == [4, 5]
+    for i, loss in got.items():
+        assert abs(loss - reference[i - 1]) <= 1e-4 * reference[i - 1], (i, loss, reference)
 
 
 @pytest.fixture(scope="module")

@@ -106,8 +106,6 @@ class LayoutFamilies(Memoised):
             counts = dict(zip(classes, k))
             for class_order in self._class_orders(classes):
                 pattern = tuple(c for c in class_order for _ in range(counts[c]))
-                if tp[pattern[0]] != tp[pattern[-1]] and not self.model.untie_embeddings_and_output_weights:
-                    continue  # a tied embedding needs first and last stage of one degree (the runtime's rule)
                 for order in ORDERS:
                     parts, same = self._cross_class_layout(tp, pattern, d_use, order)
                     candidate = self.judge("cross-class", order, tp, mbs, [(pattern, d_use)], parts, same)

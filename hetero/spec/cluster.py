@@ -13,6 +13,8 @@
         nodes: [...]
     inter_group:                   # fabric between groups (aggregate, shared by all flows)
       - {between: [ib-island, eth-island], kind: ethernet, gbps: 100}
+    prices_per_hour: {A100-40GB: 1.1, H100-80GB: 2.5}   # optional: $ per device-hour
+    board_power_w: {A100-40GB: 400}                      # optional: override the catalog's
 
 Launch order (torchrun's ranks) is node by node in the order written, devices of a node
 consecutive. NIC bandwidth is per node; when every device communicates at once (as in
@@ -21,10 +23,11 @@ training) each gets an equal share.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,6 +48,8 @@ class DeviceSpec(_Spec):
     memory_bandwidth_gbs: float = Field(gt=0)
     precisions: tuple[Literal["bf16", "fp16", "fp8"], ...] = Field(
         default=("bf16", "fp16"), description="low precisions it runs (fp32 always runs)")
+    board_power_w: float | None = Field(default=None, gt=0, description="board power (TDP), W")
+    price_per_hour: float | None = Field(default=None, ge=0, description="$ per device-hour")
 
 
 class NicSpec(_Spec):
@@ -92,6 +97,10 @@ class ClusterSpec(_Spec):
     devices: dict[str, DeviceSpec] = {}
     groups: list[GroupSpec] = Field(min_length=1)
     inter_group: list[InterGroupSpec] = []
+    prices_per_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default={}, description="$ per device-hour by device type: your rents (the cost objective)")
+    board_power_w: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default={}, description="board power by device type, W (the energy objective)")
 
 
 # ----- the resolved cluster ----------------------------------------------------------
@@ -137,7 +146,15 @@ class Cluster:
         self.devices: dict[str, DeviceType] = dict(DEVICES)
         for name, d in spec.devices.items():
             self.devices[name] = DeviceType(name, d.vendor, d.memory_gib, d.peak_tflops,
-                                            d.memory_bandwidth_gbs, tuple(d.precisions))
+                                            d.memory_bandwidth_gbs, tuple(d.precisions),
+                                            d.board_power_w, d.price_per_hour)
+        for field, given in (("price_per_hour", spec.prices_per_hour), ("board_power_w", spec.board_power_w)):
+            section = "prices_per_hour" if field == "price_per_hour" else "board_power_w"
+            for name, value in given.items():
+                if name not in self.devices:
+                    raise HeteroError(f"{source}: {section} names unknown device {name!r}; use a catalog "
+                                      f"name or one defined under devices:")
+                self.devices[name] = dataclasses.replace(self.devices[name], **{field: value})
         self.nodes: list[Node] = []
         for group in spec.groups:
             for node in group.nodes:

@@ -20,6 +20,7 @@ from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
+from hetero.runtime_rules import precision_problems
 from megatron.hetero import flags
 
 # Megatron-LM flags that only choose fused kernels: speed, not the model. On GPUs they keep
@@ -434,14 +435,6 @@ def check_per_stage_tensor_parallel(args: argparse.Namespace, plan: Plan) -> Non
     every rank alike before any process group exists."""
     if not plan.per_stage_tensor_parallel:
         return
-    degrees = plan.stage_tensor_parallel
-    if degrees[0] != degrees[-1] and not args.untie_embeddings_and_output_weights:
-        raise HeteroError(
-            f"the plan's first and last stages have tensor-parallel degrees {degrees[0]} and {degrees[-1]}, "
-            "but the input embedding and the output layer share one weight, which megatron-core keeps "
-            "equal by summing the two stages' gradient shards element by element (it needs the same "
-            "sharding on both); add --untie-embeddings-and-output-weights, or give the first and last "
-            "stage the same degree")
     if args.num_experts is not None:
         raise HeteroError("--num-experts with a tensor-parallel degree per stage: expert groups are built "
                           "from one grid in megatron-core; give every stage the same degree")
@@ -450,8 +443,6 @@ def check_per_stage_tensor_parallel(args: argparse.Namespace, plan: Plan) -> Non
 def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
     """--bf16 (or --fp16) on a device whose matrix units lack it: refused, naming the
     device (the plan's devices, and HETERO_DEVICE when this process stands in for one)."""
-    if args.params_dtype == "fp32":
-        return
     devices = dict(DEVICES)
     if plan.cluster is not None:
         devices.update(Cluster(plan.cluster, "the plan's cluster section").devices)
@@ -459,14 +450,10 @@ def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
     standing_in = env.device()  # this local rank's entry, as the device check reads it
     if standing_in:
         names.add(standing_in)
-    lacking = sorted(n for n in names if n in devices and not devices[n].supports(args.params_dtype))
-    if lacking:
-        other = "--fp16" if args.params_dtype == "bf16" else "--bf16"
-        raise HeteroError(
-            f"--{args.params_dtype} is not supported by {', '.join(lacking)} (its matrix units run "
-            f"{', '.join(devices[lacking[0]].precisions)}); train with {other} if every device has it, "
-            f"or plan without these devices (hetero-plan picks the precision when --precision is not given)"
-        )
+    # The same check hetero-plan and its explain run (hetero.runtime_rules).
+    problems = precision_problems(args.params_dtype, names, devices)
+    if problems:
+        raise HeteroError(problems[0])
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -176,7 +176,7 @@ def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool,
         if stage_tensor_parallel.active_plan() is not None:  # no (pp, tp, dp) box: one per rank
             sizes, ranks = (dist.get_world_size(),), (dist.get_rank(),)
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), sizes, ranks, replica_id=0)
-    return state
+    return state if loading else stage_tensor_parallel.drop_tied_copy_for_save(state)
 
 
 def _failures_everywhere(failure: str | None, what: str) -> None:
@@ -402,7 +402,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
         strategy = FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
     try:
-        loaded = dist_checkpointing.load(state, str(directory), strategy, strict=args.dist_ckpt_strictness)
+        # A tied table's last-stage copy is read at its own degree from the first stage's key:
+        # two shardings of one key, which megatron-core's tiling check would refuse.
+        loaded = dist_checkpointing.load(state, str(directory), strategy, strict=args.dist_ckpt_strictness,
+                                         validate_access_integrity=not stage_tensor_parallel.tied_across_degrees())
     except CheckpointingException as err:
         first = str(err).strip().splitlines()[0][:400]
         raise HeteroError(

@@ -19,6 +19,13 @@ differ in TP; megatron.hetero.patches installs both:
    receiving rank u takes it from sending rank ``u mod tp_sender``. Every piece is a
    contiguous run of sequence rows, so it is sent from and received into views of the
    schedule's own tensors.
+3. Tied input embedding and output layer across stages of different degrees. megatron-core
+   sums the two copies' gradients element by element over a group pairing equal shards;
+   with degrees (2, 1) shards do not pair, so that group is dropped and
+   ``TiedEmbeddingGrads`` sums them by vocabulary row instead: every rank of the first and
+   last stage puts the rows it holds into a whole-vocabulary tensor (zeros elsewhere), one
+   all-reduce adds the two stages' values, and each rank takes its rows back. Every element
+   has exactly two non-zero terms, so the sum is megatron-core's, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from hetero.plan import Plan
 
 _plan: Plan | None = None
 _sequence_parallel = False
+_tied_embedding: "TiedEmbeddingGrads | None" = None
 
 
 def use_plan_grid(plan: Plan | None, sequence_parallel: bool = False) -> None:
@@ -97,6 +105,15 @@ def finish_plan_grid(timeout) -> None:
     if ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP is None:
         ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = dist.new_group(
             list(range(dist.get_world_size())), timeout=timeout)
+    global _tied_embedding
+    _tied_embedding = None
+    degrees = _plan.stage_tensor_parallel
+    if _plan.pipeline_parallel > 1 and degrees[0] != degrees[-1]:
+        # megatron-core's embedding groups pair first- and last-stage ranks of one tensor rank;
+        # with unequal degrees they overlap and would pair unequal shards: none is used.
+        ps._EMBEDDING_GROUP = None
+        ps._EMBEDDING_GLOBAL_RANKS = None
+        _tied_embedding = TiedEmbeddingGrads(_plan, timeout)
 
 
 def finalize_model_grads_on_plan_grid(finalize, model, num_tokens=None, *args, **kwargs):
@@ -107,6 +124,8 @@ def finalize_model_grads_on_plan_grid(finalize, model, num_tokens=None, *args, *
     from megatron.core import parallel_state as ps
 
     result = finalize(model, None, *args, **kwargs)
+    if _tied_embedding is not None:
+        _tied_embedding.reduce(model)  # before the per-token scaling, as megatron-core's
     if num_tokens is not None:
         replica = _plan.replica_ranks(_plan.coords(dist.get_rank()).dp_rank)
         dist.broadcast(num_tokens, src=replica[-1], group=ps.get_model_parallel_group())
@@ -115,6 +134,97 @@ def finalize_model_grads_on_plan_grid(finalize, model, num_tokens=None, *args, *
             for chunk in model:
                 chunk.scale_gradients(1.0 / num_tokens)
     return result
+
+
+class TiedEmbeddingGrads:
+    """Sums the gradient of the tied word-embedding table over its two copies, the first
+    stage's and the last stage's, each sharded by vocabulary rows over its own stage's
+    tensor-parallel degree (module docstring, 3)."""
+
+    def __init__(self, plan: Plan, timeout) -> None:
+        last = plan.pipeline_parallel - 1
+        self.plan = plan
+        self.ranks = sorted(r for r in range(plan.world_size) if plan.coords(r).pp_rank in (0, last))
+        self.group = dist.new_group(self.ranks, timeout=timeout)  # every rank creates every group
+
+    def reduce(self, model: list[torch.nn.Module]) -> None:
+        rank = dist.get_rank()
+        if rank not in self.ranks:
+            return
+        me = self.plan.coords(rank)
+        chunk = model[0] if me.pp_rank == 0 else model[-1]
+        weight = _tied_weight(chunk, first_stage=me.pp_rank == 0)
+        if weight is None:  # untied model: nothing shared
+            return
+        grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+        if grad is None:  # a frozen embedding
+            return
+        rows, hidden = grad.shape
+        tp = self.plan.stage_tensor_parallel[me.pp_rank]
+        offset = me.tp_rank * rows * hidden  # megatron-core's vocabulary shards are contiguous
+        whole = torch.zeros(rows * tp * hidden, dtype=grad.dtype, device=grad.device)
+        start, stop = _reduced_range(chunk, weight, grad.numel(), me.dp_rank)
+        flat = grad.view(-1)
+        whole[offset + start:offset + stop] = flat[start:stop]
+        dist.all_reduce(whole, group=self.group)
+        flat.copy_(whole[offset:offset + flat.numel()])
+
+
+TIED_TABLE_KEY = "embedding.word_embeddings.weight"
+
+
+def tied_across_degrees() -> bool:
+    """Whether the first and last stage differ in degree (their tied table's copies too)."""
+    return _tied_embedding is not None
+
+
+def drop_tied_copy_for_save(state: dict) -> dict:
+    """The state to save without the last stage's copy of a tied table whose stages differ in
+    degree. megatron-core saves the copy as a replica of the first stage's table, and its
+    save checks that every shard of one key has one shape, which two degrees cannot meet;
+    the copy is equal to the table (same start, same summed gradients), and at load it is
+    read from the table's key, re-sharded to its own degree."""
+    if _tied_embedding is None or _plan.coords(dist.get_rank()).pp_rank != _plan.pipeline_parallel - 1:
+        return state
+
+    def keep(value) -> bool:
+        return TIED_TABLE_KEY not in str(getattr(value, "key", ""))
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items() if keep(v)}
+        if isinstance(node, list):
+            return [walk(v) for v in node if keep(v)]
+        return node
+
+    return walk(state)
+
+
+def _tied_weight(chunk: torch.nn.Module, first_stage: bool) -> torch.nn.Parameter | None:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    module = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+    if not getattr(module, "share_embeddings_and_output_weights", False):
+        return None
+    return module.embedding.word_embeddings.weight if first_stage else module.output_layer.weight
+
+
+def _reduced_range(chunk: torch.nn.Module, weight: torch.nn.Parameter, numel: int, dp_rank: int) -> tuple[int, int]:
+    """The elements of this rank's gradient that hold the sum over data-parallel replicas
+    (each element of the stage counted by exactly one rank): with the distributed optimizer
+    the part of the weight's own bucket this rank reduce-scattered (megatron-core gives a
+    shared embedding a bucket of its own); otherwise all of it, on replica 0 only."""
+    for bucket_group in getattr(chunk, "bucket_groups", []):
+        if not bucket_group.ddp_config.use_distributed_optimizer:
+            break
+        for bucket in bucket_group.buckets:
+            if weight in bucket.param_to_index:
+                begin, end = bucket.param_to_index[weight]
+                shard = bucket.grad_data.numel() // bucket_group.intra_distributed_optimizer_instance_size
+                own = bucket_group.intra_distributed_optimizer_instance_rank
+                lo, hi = max(begin, own * shard), min(end, (own + 1) * shard)
+                return (lo - begin, hi - begin) if lo < hi else (0, 0)
+    return (0, numel) if dp_rank == 0 else (0, 0)
 
 
 # ----- stage-to-stage transfers --------------------------------------------------------
@@ -208,5 +318,5 @@ def _reshard(config, send_next, send_prev, recv_prev, recv_next, tensor_shape, w
     return received_prev, received_next, requests
 
 
-__all__ = ["Piece", "active_plan", "finalize_model_grads_on_plan_grid", "finish_plan_grid",
+__all__ = ["Piece", "TIED_TABLE_KEY", "TiedEmbeddingGrads", "drop_tied_copy_for_save", "tied_across_degrees", "active_plan", "finalize_model_grads_on_plan_grid", "finish_plan_grid",
            "plan_rank_generator", "rank_groups", "resharding_communicator", "stage_pieces", "use_plan_grid"]

@@ -42,9 +42,6 @@ from megatron.hetero.distributed import announce_stopped
 from megatron.hetero.log import error
 
 HEARTBEAT_S = 1.0
-PEER_TIMEOUT_S = 10.0
-"""A neighbour silent this long is taken for dead (its heartbeat is independent of how
-long collectives or checkpoints take)."""
 EXIT_CODE = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -60,6 +57,9 @@ class Watchdog:
         self.launch_rank, self.plan = launch_rank, plan
         self.resume_hint = resume_hint
         self.exit_signal = exit_signal
+        # A neighbour silent this long is taken for dead (its heartbeat is independent of how
+        # long collectives or checkpoints take).
+        self.peer_timeout_s = float(env.peer_timeout_s())
         self.machine = socket.gethostname()  # where a pid means something
         # The host the job knows this rank by: an emulated node's name (tools/emulator) or
         # the machine's.
@@ -144,9 +144,9 @@ class Watchdog:
                 store_lost_since = None
             except Exception:  # the store is unreachable: its host or launcher may be gone
                 store_lost_since = store_lost_since or time.monotonic()
-                if time.monotonic() - store_lost_since > PEER_TIMEOUT_S:
+                if time.monotonic() - store_lost_since > self.peer_timeout_s:
                     self._stop_alone(f"the job's rendezvous store has been unreachable for "
-                                     f"{PEER_TIMEOUT_S:.0f} s (its launcher or host is gone)")
+                                     f"{self.peer_timeout_s:.0f} s (its launcher or host is gone)")
                 continue
             if stopped_by:
                 self.handle(stopped_by)
@@ -255,7 +255,7 @@ class Watchdog:
             host, pid, machine = values[f"where/{r}"].decode().split()
             age = now - float(values[f"alive/{r}"].decode())
             gone = machine == self.machine and not _process_exists(int(pid))
-            if r in self._lost or gone or age > PEER_TIMEOUT_S:
+            if r in self._lost or gone or age > self.peer_timeout_s:
                 if r not in self._lost:  # later looks may see only the aftermath (a kill)
                     why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s"
                     if not gone and machine == self.machine:
