@@ -12,18 +12,29 @@ Takes Megatron-LM's pretrain_gpt.py flags, plus --hetero-plan plan.json:
     torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan plan.json ...
 
 `python -m hetero.launch plan.json -- ARGS` prints the per-node torchrun commands of a
-multi-node plan.
+multi-node plan. `--help` lists the honoured flags by theme, `--help-all` every flag.
 """
 
 if __name__ == "__main__":
     # Imports stay under the guard: helper processes that multiprocessing spawns (the
     # checkpoint writer's) re-import this file and need none of it.
     import gc
+    import os
     import sys
 
+    from megatron.hetero.cli_help import help_requested, print_help
+
+    if help_requested(sys.argv[1:]):  # answered before torch is imported: well under 2 s
+        sys.exit(print_help(sys.argv[1:]))
     from megatron.hetero.pretrain import main
 
     exit_code = main(sys.argv[1:])
+    if exit_code == 2:
+        # Bad input, reported; nothing left to write. All ranks leave together, and torchrun
+        # stops with SIGTERM a rank still tearing down when another's exit reaches it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
     # The interpreter's exit would otherwise walk every object torch and megatron-core
     # made in search of cycles: ~1.5 s of each process's 2-core life for nothing.
     gc.freeze()

@@ -46,8 +46,8 @@ setup(
     packages=find_namespace_packages(include=["hetero", "hetero.*", "hetero_comm", "megatron.hetero",
                                               "megatron.hetero.*"]),
     py_modules=["pretrain_gpt"],
-    # Megatron-LM's flag facts, read by megatron.hetero.flags at start-up.
-    package_data={"megatron.hetero.flags": ["megatron_lm_flags.json"]},
+    # Megatron-LM's flag facts, read by hetero-plan and by megatron.hetero.flags at start-up.
+    package_data={"hetero.spec": ["megatron_lm_flags.json"]},
     ext_modules=[comm_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     install_requires=[
@@ -73,9 +73,9 @@ setup(
         "tiktoken": ["tiktoken>=0.7"],
         "wandb": ["wandb>=0.16"],
         # The tests build tiny tokenizers of every kind and log to W&B offline.
-        # ...and check the import contracts of .importlinter.
+        # ...and check the import contracts of .importlinter (scipy: the estimate's rank agreement).
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "transformers>=4.40", "tokenizers>=0.15",
-                 "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16", "import-linter>=2.1"],
+                 "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16", "import-linter>=2.1", "scipy>=1.10"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

@@ -2,7 +2,7 @@
 
     python bench/plan_bench.py            # every scenario (a few minutes on 2 cores)
     python bench/plan_bench.py --quick    # the two search-speed targets only
-    python bench/plan_bench.py --per-stage-tp   # Sailor-like rows without and with per-stage TP
+    python bench/plan_bench.py --per-stage-tp   # Sailor-like rows: one TP degree vs one per stage, with search times
 
 Each row plans the job with the same predictor that computes its Megatron baseline
 (uniform layers, launch-order ranks, equal micro-batches, best degrees) and HetHub's
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hetero.cli import plan_job  # noqa: E402
+from hetero.jobs import plan_job  # noqa: E402
 from hetero.search.options import PlannerOptions  # noqa: E402
 from hetero.spec.cluster import Cluster  # noqa: E402
 from hetero.spec.model import load_model  # noqa: E402
@@ -38,6 +38,7 @@ SCENARIOS = [
     ("Sailor-like 128", "sailor_like_128.yaml", "llama2-7b", 512, 2048),
     ("Sailor-like 320", "sailor_like_320.yaml", "llama2-7b", 1024, 2048),
     ("Sailor-like 512", "sailor_like_512.yaml", "llama2-7b", 1024, 2048),
+    ("MoE H100+A100 64", "moe_h100_a100.yaml", "mixtral-8x7b", 256, 4096),
     ("4 types, 4096", "mixed_4096.yaml", "llama2-70b", 2048, 4096),
 ]
 QUICK = {"Sailor-like 512", "4 types, 4096"}
@@ -88,10 +89,11 @@ def degrees(plan) -> str:
 
 
 def per_stage_tensor_parallel() -> int:
-    """Issue 2.5's comparison: one degree for the job vs a degree per stage (the planner's
-    own search either way), predicted by the one cost model."""
-    print(f"{'scenario':29} {'one TP: tokens/s':>17} {'per-stage: tokens/s':>20} {'speed-up':>8} "
-          f"{'search s':>8}  per-stage plan")
+    """One degree for the job against a degree per stage (the planner's own search either
+    way), both predicted by the one cost model, with each search's time. "classes" gives
+    each stage's device type by its first letter (a sandwich: the same letter at both ends)."""
+    print(f"{'scenario':29} {'one TP: tokens/s':>17} {'search s':>8} {'per-stage: tokens/s':>20} {'search s':>8} "
+          f"{'speed-up':>8}  per-stage plan")
     scenarios = [(f"{name} {model_name}", cluster_file, model_name, gbs, seq)
                  for name, cluster_file, _, gbs, seq in SCENARIOS if name.startswith("Sailor")
                  for model_name in ("opt-350m", "gpt-neo-2.7b", "llama2-7b")]
@@ -100,14 +102,19 @@ def per_stage_tensor_parallel() -> int:
         model = load_model(model_name).with_seq_length(seq)
         jobs = [plan_job(cluster, model, gbs, PlannerOptions(per_stage_tensor_parallel=flag),
                          with_baseline=False, with_upper_bound=False, precision=None) for flag in (False, True)]
-        (one, _), (mixed, _) = [(j.plan.prediction.tokens_per_s, j) for j in jobs]
-        plan = jobs[1].plan
-        layers = "/".join(str(st.num_layers) for st in plan.stages)
-        print(f"{name:29} {one:17,.0f} {mixed:20,.0f} {mixed / one:7.2f}x "
-              f"{plan.provenance.search_time_s:8.2f}  TP{degrees(plan)} PP{plan.pipeline_parallel} "
-              f"DP{plan.data_parallel} layers {layers} (one TP: TP{degrees(jobs[0].plan)} "
-              f"PP{jobs[0].plan.pipeline_parallel} DP{jobs[0].plan.data_parallel})", flush=True)
+        one, mixed = (j.plan for j in jobs)
+        speed = [p.prediction.tokens_per_s for p in (one, mixed)]
+        print(f"{name:29} {speed[0]:17,.0f} {one.provenance.search_time_s:8.2f} {speed[1]:20,.0f} "
+              f"{mixed.provenance.search_time_s:8.2f} {speed[1] / speed[0]:7.2f}x  {layout_of(mixed)} "
+              f"(one TP: {layout_of(one)})", flush=True)
     return 0
+
+
+def layout_of(plan) -> str:
+    classes = "".join(stage.device_types[0][0] for stage in plan.stages)
+    layers = "/".join(str(stage.num_layers) for stage in plan.stages)
+    return (f"TP{degrees(plan)} PP{plan.pipeline_parallel} DP{plan.data_parallel} layers {layers} "
+            f"classes {classes}")
 
 
 if __name__ == "__main__":

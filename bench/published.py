@@ -1,4 +1,5 @@
-"""The cost model against Megatron-LM's published weak-scaling table (SC21).
+"""The cost model against Megatron-LM's published weak-scaling table (SC21), and against
+training measured on one H100 (megatron-core's local layers).
 
 Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM", SC21 (arXiv 2104.04473), table 1; the published figures are in
@@ -100,6 +101,7 @@ def setup_of(row: Row) -> TrainingSetup:
         precision="fp16", distributed_optimizer=False, fused_kernels=False, dropout=True,
         recompute="full", virtual_stages=row.virtual_stages, overlap_grad_reduce=row.ddp == "torch",
         scatter_stage_transfers=True,  # 2021 default: --scatter-gather-tensors-in-pipeline
+        fused_softmax=True,  # 2021 default: --masked-softmax-fusion, Megatron-LM's compiled kernel
     )
 
 
@@ -131,6 +133,130 @@ def compare() -> list[dict]:
     return results
 
 
+# ----- one H100, megatron-core's local layers ---------------------------------------------
+# Measured with bench/gpu_bench.py (docs/results.md, "One real GPU"): GPT 0.9B (16 layers,
+# hidden 2048, 16 heads, sequence 2048, vocabulary 50,257 padded to 50,304), global batch 16,
+# bf16, no dropout, one H100 SXM 80GB, megatron-core 0.16.1 without transformer-engine or
+# apex (local layers: unfused attention, torch softmax). Median of iterations 5-14 of two runs.
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    micro_batch: int
+    recompute: str
+    measured_s: tuple[float, float]
+    """The two runs' median iteration times."""
+
+
+ONE_H100 = [GpuRow(1, "none", (1.02, 1.35)), GpuRow(2, "none", (0.85, 0.89)),
+            GpuRow(4, "none", (0.82, 0.85)), GpuRow(4, "full", (1.05, 1.08))]
+
+
+def predict_gpu_row(row: GpuRow) -> Prediction:
+    node = {"host": "gpu0", "device": "H100-80GB", "count": 1, "intra_link": "nvlink4", "nic": {"kind": "ib", "gbps": 400}}
+    cluster = Cluster.from_dict({"name": "one H100", "groups": [{"name": "local", "nodes": [node]}]})
+    model = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50304)
+    setup = TrainingSetup("bf16", distributed_optimizer=False, fused_kernels=False, dropout=False,
+                          recompute=row.recompute)
+    devices = [{"host": "gpu0", "device_type": "H100-80GB", "vendor": "nvidia", "nic": "ib"}]
+    plan = Plan.uniform(tensor_parallel=1, pipeline_parallel=1, data_parallel=1, micro_batch_size=row.micro_batch,
+                        num_layers=model.num_layers, global_batch_size=16)
+    plan = Plan.from_dict({**plan.to_dict(), "devices": devices})
+    return predict(plan, cluster, CostModel(cluster, model, setup))
+
+
+# ----- mixtures of experts on DGX H100 (Megatron-Core through NeMo's Megatron-Bridge) -------
+# Source: NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md and
+# docs/performance-summary-archive.md (https://docs.nvidia.com/nemo/megatron-bridge/latest/
+# performance-summary.html), "Pre-Training Performance", System: DGX-H100 (8 H100 SXM 80GB,
+# NVLink 4, 8 x 400 Gb/s InfiniBand per node). Every MoE row: force-balanced routing, token-
+# dropless, distributed optimizer, sequence 4096, DDP (FSDP 0). Tokens/s/GPU is the published
+# figure; the iteration time is global batch x sequence / (tokens/s/GPU x GPUs).
+# FP8: the predictor prices every GEMM at the device's bf16 rate and keeps bf16 activations
+# and weights (transformer-engine's FP8 recipes keep bf16 weights and fp32 master copies), so
+# an FP8 row is predicted as the same run in bf16: the table shows how much FP8 buys beyond it.
+
+
+@dataclass(frozen=True)
+class MoeRow:
+    name: str
+    model: str
+    """Preset (hetero/spec/model.py)."""
+    source: str
+    precision: str
+    gpus: int
+    global_batch: int
+    micro_batch: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    virtual_stages: int
+    expert_parallel: int
+    tokens_per_s_per_gpu: float
+    layout: str | None = None
+    """--pipeline-model-parallel-layout where the layers do not split evenly."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    def published_iteration_s(self, seq_length: int) -> float:
+        return self.global_batch * seq_length / (self.tokens_per_s_per_gpu * self.gpus)
+
+
+MOE_TABLE = [
+    # 25.09 container, DGX-H100 row "DeepSeekV3 (dropless)": FP8 (per-tensor; 330 TFLOP/s with
+    # DeepSeek's 128x128 blockwise scaling), 338 model TFLOP/s/GPU. 61 layers over 8 x 4 chunks
+    # as the recipe's layout: the embedding's chunk holds 1 layer, the loss's chunk 1.
+    MoeRow("DeepSeek-V3 671B", "deepseek-v3", "Megatron-Bridge archive, 25.09, DGX-H100 (2025-10)", "fp8",
+           1024, 8192, 1, 2, 8, 4, 64, 1297, layout="Et|(tt|)*29t|tL"),
+    # 25.11 container, DGX-H100 row "Qwen3_30B_a3B": FP8-CS (current scaling), 121 TFLOP/s/GPU.
+    MoeRow("Qwen3-30B-A3B", "qwen3-30b-a3b", "Megatron-Bridge, 25.11, DGX-H100 (2025-12)", "fp8",
+           16, 512, 2, 1, 2, 24, 8, 5275),
+    # 26.02 container, model Qwen3_30B_a3B, DGX-H100 row: FP8, 118 TFLOP/s/GPU.
+    MoeRow("Qwen3-30B-A3B", "qwen3-30b-a3b", "Megatron-Bridge archive, 26.02, DGX-H100 (2026-03)", "fp8",
+           16, 1024, 1, 1, 2, 12, 8, 5113),
+]
+
+
+def dgx_h100(num_gpus: int) -> Cluster:
+    nodes = [{"host": f"dgx{i:04d}", "device": "H100-80GB", "count": GPUS_PER_NODE, "intra_link": "nvlink4",
+              "nic": {"kind": "ib", "gbps": 3200}} for i in range(num_gpus // GPUS_PER_NODE)]
+    return Cluster.from_dict({"name": f"DGX H100 {num_gpus} GPUs", "groups": [{"name": "eos", "nodes": nodes}]})
+
+
+def predict_moe_row(row: MoeRow) -> Prediction:
+    from hetero.pipeline_layout import SplitFlags
+    from hetero.spec.model import PRESETS
+    model = PRESETS[row.model].with_seq_length(4096)
+    cluster = dgx_h100(row.gpus)
+    devices = [{"host": n.host, "device_type": n.device.name, "vendor": n.device.vendor, "nic": "ib"}
+               for n in cluster.nodes for _ in range(n.count)]
+    flags = SplitFlags(layout=row.layout) if row.layout else SplitFlags(
+        virtual_stages_per_rank=row.virtual_stages if row.virtual_stages > 1 else None)
+    plan = Plan.uniform(tensor_parallel=row.tensor_parallel, pipeline_parallel=row.pipeline_parallel,
+                        data_parallel=row.data_parallel, micro_batch_size=row.micro_batch,
+                        num_layers=model.num_layers, global_batch_size=row.global_batch, split_flags=flags,
+                        expert_parallel=row.expert_parallel,
+                        expert_tensor_parallel=1 if row.expert_parallel > 1 else None)
+    plan = Plan.from_dict({**plan.to_dict(), "devices": devices})
+    setup = TrainingSetup("bf16", distributed_optimizer=True, fused_kernels=True, dropout=False,
+                          sequence_parallel=row.tensor_parallel > 1, virtual_stages=row.virtual_stages,
+                          overlap_grad_reduce=True, overlap_param_gather=True)
+    return predict(plan, cluster, CostModel(cluster, model, setup))
+
+
+def compare_moe() -> list[dict]:
+    results = []
+    for row in MOE_TABLE:
+        prediction = predict_moe_row(row)
+        published = row.published_iteration_s(4096)
+        results.append({"row": row, "published_s": published, "predicted_s": prediction.iteration_time_s,
+                        "error": prediction.iteration_time_s / published - 1,
+                        "tflops": max(prediction.tflops_per_device.values()),
+                        "memory_gib": max(prediction.peak_memory_gib.values()), "fits": prediction.fits})
+    return results
+
+
 def main() -> int:
     results = compare()
     print("| row | published s/iter | predicted s/iter | error | predicted peak memory |")
@@ -140,6 +266,22 @@ def main() -> int:
               f"{r['memory_gib']:.1f} GiB{'' if r['fits'] else ' (does not fit)'} |")
     mean = sum(abs(r["error"]) for r in results) / len(results)
     print(f"mean absolute error {mean:.1%}, largest {max(abs(r['error']) for r in results):.1%}")
+    print("\n| one H100: micro-batch | recompute | measured s/iter (two runs) | predicted | error |")
+    print("|---:|---|---:|---:|---:|")
+    for row in ONE_H100:
+        predicted = predict_gpu_row(row).iteration_time_s
+        errors = " / ".join(f"{predicted / m - 1:+.1%}" for m in row.measured_s)
+        print(f"| {row.micro_batch} | {row.recompute} | {row.measured_s[0]:.2f} / {row.measured_s[1]:.2f} | "
+              f"{predicted:.3f} | {errors} |")
+    print("\n| MoE on DGX H100 | source | precision | GPUs | TP/PP/VP/EP | micro/global batch | published s/iter "
+          "| predicted s/iter | error | predicted TFLOP/s/GPU | peak memory |")
+    print("|---|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in compare_moe():
+        row = r["row"]
+        print(f"| {row.name} | {row.source} | {row.precision} (predicted as bf16) | {row.gpus} | "
+              f"{row.tensor_parallel}/{row.pipeline_parallel}/{row.virtual_stages}/{row.expert_parallel} | "
+              f"{row.micro_batch}/{row.global_batch} | {r['published_s']:.2f} | {r['predicted_s']:.2f} | "
+              f"{r['error']:+.1%} | {r['tflops']:.0f} | {r['memory_gib']:.1f} GiB{'' if r['fits'] else ' (does not fit)'} |")
     return 0
 
 

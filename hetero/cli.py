@@ -2,6 +2,8 @@
 
     hetero-plan --cluster C.yaml --model llama2-7b --global-batch-size 512 --seq-length 4096 \\
         [--profiles DIR] -o plan.json [--timeline plan.png]
+    hetero-plan --cluster C.yaml -o plan.json -- <pretrain_gpt.py's flags>
+    hetero-plan --cluster C.yaml -o plan.json --megatron-script train.sh [-- <the script's arguments>]
     hetero-plan explain plan.json [--timeline plan.png] [--memory]
     hetero-plan discover --slurm [--partition P ...] [--device-map FEATURE=NAME ...] -o cluster.yaml
     hetero-plan profile --slurm --cluster cluster.yaml -o profiles/ -- <the model's Megatron flags>
@@ -12,8 +14,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from hetero.errors import HeteroError
 from hetero.jobs import Objective, explain, plan_for_objective
@@ -24,6 +27,8 @@ from hetero.report import (measured_against_predicted, measured_iteration_times_
 from hetero.search.planner import PlannerOptions
 from hetero.spec import discover, profile_slurm
 from hetero.spec.cluster import Cluster
+from hetero.spec.launch_script import pretrain_flags_of_script
+from hetero.spec.megatron_args import FlagsJob, job_of_flags
 from hetero.spec.model import ModelSpec, load_model
 from hetero.spec.profiles import Profiles
 
@@ -42,23 +47,36 @@ def _plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML")
-    p.add_argument("--model", required=True, help="preset name or model YAML (Megatron field names)")
-    p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, default=None, help="padded vocabulary (default: the model's)")
+    p.add_argument("--model", default=None,
+                   help="preset name or model YAML (Megatron field names); or give pretrain_gpt.py's "
+                        "flags after `--`, or --megatron-script")
+    p.add_argument("--megatron-script", default=None, metavar="SCRIPT",
+                   help="a bash launch script: the model and training set-up from the flags it passes to "
+                        "pretrain_gpt.py (what follows `--`: the script's arguments)")
+    p.add_argument("--tokenizer-vocab-size", type=int, default=None, metavar="N",
+                   help="with Megatron flags: the size the tokenizer reports, for tokenizer types "
+                        "hetero-plan does not count (it pads it as the run does)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="required with --model; with Megatron flags, when they leave it out")
+    p.add_argument("--seq-length", type=int, default=None, help="required with --model")
+    p.add_argument("--vocab-size", type=int, default=None, help="with --model: padded vocabulary "
+                                                                "(default: the model's)")
     p.add_argument("--profiles", default=None, help="directory of measured profiles (tools/)")
     p.add_argument("--roofline-for-missing", action="store_true",
                    help="with --profiles: estimate device types that have no profile")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default=None,
                    help="default: bf16 if every device has it, else the faster of fp16 on all "
                         "devices and bf16 without the devices that lack it")
-    p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default="auto",
-                   help="auto: per stage, the cheapest that fits")
-    p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
-                   help="auto: on whenever TP > 1")
-    p.add_argument("--virtual-stages", type=_int_list, default=(1, 2),
-                   help="interleaving degrees to try (1: plain 1F1B)")
+    p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default=None,
+                   help="auto (default): per stage, the cheapest that fits")
+    p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default=None,
+                   help="auto (default): on whenever TP > 1")
+    p.add_argument("--virtual-stages", type=_int_list, default=None,
+                   help="interleaving degrees to try (1: plain 1F1B; default 1,2)")
     p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="price tensor-parallel communication as overlapped with the GEMMs (transformer-engine "
+                        "userbuffers); the runtime does not switch it on yet")
     p.add_argument("--overlap-param-gather", action="store_true")
     p.add_argument("--grad-reduce-in-bf16", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true")
@@ -67,8 +85,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                         "matrix, SwiGLU its intermediate tensors")
     p.add_argument("--no-dropout", action="store_true",
                    help="the recipe sets hidden and attention dropout to 0 (no masks kept)")
-    p.add_argument("--tensor-parallel", type=_int_list, default=(1, 2, 4, 8), help="degrees to try")
-    p.add_argument("--micro-batch-size", type=_int_list, default=(1, 2, 4, 8), help="sizes to try")
+    p.add_argument("--tensor-parallel", type=_int_list, default=None, help="degrees to try (default 1,2,4,8)")
+    p.add_argument("--micro-batch-size", type=_int_list, default=None, help="sizes to try (default 1,2,4,8)")
     p.add_argument("--objective", choices=["throughput", "cost", "energy"], default="throughput",
                    help="throughput: the most tokens/s; cost: the fewest $ per token (prices: the "
                         "cluster spec's prices_per_hour); energy: the fewest J per token (board power)")
@@ -84,44 +102,177 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _plan_command(argv: Sequence[str]) -> int:
-    args = _plan_parser().parse_args(argv)
-    cluster = Cluster.load(args.cluster)
+@dataclasses.dataclass(frozen=True)
+class _JobInputs:
+    """What to plan: the model at given tensor-parallel degrees (the vocabulary padding may
+    follow them), the global batch, the training set-up and the search's options."""
+
+    model_for: Callable[[tuple[int, ...]], ModelSpec]
+    global_batch_size: int
+    options: PlannerOptions
+    precision: str | None
+    pipeline_parallel: int | None = None
+    """The pipeline depth the flags fix (the planner chooses its own; they must agree)."""
+    is_padding: Callable[[int], bool] = lambda _: False
+    """Whether a vocabulary size is this job's tokenizer padded for other degrees."""
+
+
+def _profiles_for(profiles: Profiles | None, model: ModelSpec, inputs: _JobInputs) -> Profiles | None:
+    """The profiles, those measured at another padding of this job's vocabulary standing for
+    this one: the profiler pads for the degrees it measured, the run for the plan's; the
+    logits layer differs by a few rows."""
+    if profiles is None:
+        return None
+    aligned = []
+    for profile in profiles.compute:
+        vocab = profile.model.get("vocab_size")
+        if isinstance(vocab, int) and vocab != model.vocab_size and inputs.is_padding(vocab):
+            profile = profile.model_copy(update={"model": {**profile.model, "vocab_size": model.vocab_size}})
+        aligned.append(profile)
+    return Profiles(aligned, profiles.link_profiles)
+
+
+# hetero-plan's options that Megatron's flags state in their own words.
+_STATED_BY_FLAGS = {
+    "model": "the model flags", "seq_length": "--seq-length", "vocab_size": "the tokenizer flags",
+    "precision": "--bf16 / --fp16", "overlap_grad_reduce": "--overlap-grad-reduce",
+    "overlap_param_gather": "--overlap-param-gather", "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+    "no_distributed_optimizer": "--use-distributed-optimizer", "no_dropout": "--hidden-dropout/--attention-dropout",
+}
+
+
+def _search_options(args: argparse.Namespace, setup: TrainingSetup, **fixed) -> PlannerOptions:
+    recompute = fixed.get("recompute") or args.recompute or "auto"
+    sequence_parallel = fixed.get("sequence_parallel") or args.sequence_parallel or "auto"
+    return PlannerOptions(
+        tensor_parallel=fixed.get("tensor_parallel") or args.tensor_parallel or (1, 2, 4, 8),
+        micro_batch_sizes=fixed.get("micro_batch_sizes") or args.micro_batch_size or (1, 2, 4, 8), setup=setup,
+        recompute_modes=RECOMPUTE_MODES if recompute == "auto" else (recompute,),
+        sequence_parallel={"auto": None, "on": True, "off": False}[sequence_parallel],
+        virtual_stages=fixed.get("virtual_stages") or args.virtual_stages or (1, 2),
+        pipeline_parallel=fixed.get("pipeline_parallel"))
+
+
+def _model_inputs(args: argparse.Namespace) -> _JobInputs:
+    missing = [flag for flag, value in (("--global-batch-size", args.global_batch_size),
+                                        ("--seq-length", args.seq_length)) if value is None]
+    if missing:
+        raise HeteroError(f"--model needs {' and '.join(missing)}")
     model = load_model(args.model).with_seq_length(args.seq_length)
     if args.vocab_size:
         model = ModelSpec(**{**model.to_dict(), "vocab_size": args.vocab_size})
-    profiles = None
-    if args.profiles:
-        profiles = Profiles.load_dir(args.profiles)
-        missing = profiles.missing(list(cluster.device_counts()), model, args.precision or "bf16")
-        if missing and not args.roofline_for_missing:
-            raise HeteroError(
-                f"--profiles {args.profiles} has no {args.precision or 'bf16'} compute profile of this model "
-                f"shape for {', '.join(missing)}; measure them with `hetero-plan profile --slurm` (or "
-                "python -m megatron.hetero.profiling.compute), or pass --roofline-for-missing to estimate "
-                "them from the catalog"
-            )
     setup = TrainingSetup(precision=args.precision or "bf16",
                           distributed_optimizer=not args.no_distributed_optimizer,
                           fused_kernels=not args.no_fused_kernels, dropout=not args.no_dropout,
                           overlap_grad_reduce=args.overlap_grad_reduce,
-                          overlap_param_gather=args.overlap_param_gather,
+                          overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                           grad_reduce_dtype="bf16" if args.grad_reduce_in_bf16 else None)
-    options = PlannerOptions(
-        tensor_parallel=args.tensor_parallel, micro_batch_sizes=args.micro_batch_size, setup=setup,
-        recompute_modes=RECOMPUTE_MODES if args.recompute == "auto" else (args.recompute,),
-        sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
-        virtual_stages=args.virtual_stages)
+    return _JobInputs(lambda _: model, args.global_batch_size, _search_options(args, setup), args.precision)
+
+
+def _fixed(option: str, ours: tuple[int, ...] | None, flag: str, theirs: int | None) -> tuple[int, ...] | None:
+    """The candidates of a search dimension the flags may fix: then only their value (the
+    run refuses a plan that contradicts its flags); hetero-plan's own list may repeat it."""
+    if theirs is None:
+        return ours
+    if ours is not None and ours != (theirs,):
+        raise HeteroError(f"{option} {','.join(map(str, ours))} contradicts the flags' {flag} {theirs}; "
+                          "give it in one place")
+    return (theirs,)
+
+
+def _flags_inputs(args: argparse.Namespace, job: FlagsJob) -> _JobInputs:
+    stated = [f"--{name.replace('_', '-')} ({flags})" for name, flags in _STATED_BY_FLAGS.items()
+              if getattr(args, name) not in (None, False)]
+    if stated:
+        raise HeteroError(f"{', '.join(stated)}: with Megatron flags, the flags in parentheses say this; "
+                          "drop the hetero-plan option(s) and set it in the flags")
+    global_batch = job.global_batch_size or args.global_batch_size
+    if None not in (job.global_batch_size, args.global_batch_size) and job.global_batch_size != args.global_batch_size:
+        raise HeteroError(f"--global-batch-size {args.global_batch_size} contradicts the flags' "
+                          f"--global-batch-size {job.global_batch_size}; give it in one place")
+    if global_batch is None:
+        raise HeteroError("the flags leave out --global-batch-size: add it to them (or give hetero-plan "
+                          "--global-batch-size); the plan splits it between the replicas")
+    if job.recompute and args.recompute not in (None, job.recompute):
+        raise HeteroError(f"--recompute {args.recompute} contradicts the flags' recomputation ({job.recompute})")
+    if job.sequence_parallel and args.sequence_parallel == "off":
+        raise HeteroError("--sequence-parallel off contradicts the flags' --sequence-parallel")
+    setup = TrainingSetup(precision=job.precision, distributed_optimizer=job.distributed_optimizer,
+                          fused_kernels=job.fused_kernels and not args.no_fused_kernels, dropout=job.dropout,
+                          overlap_grad_reduce=job.overlap_grad_reduce, overlap_param_gather=job.overlap_param_gather,
+                          grad_reduce_dtype=job.grad_reduce_dtype, tp_comm_overlap=args.tp_comm_overlap)
+    options = _search_options(
+        args, setup,
+        tensor_parallel=_fixed("--tensor-parallel", args.tensor_parallel, "--tensor-model-parallel-size",
+                               job.tensor_parallel),
+        micro_batch_sizes=_fixed("--micro-batch-size", args.micro_batch_size, "--micro-batch-size",
+                                 job.micro_batch_size),
+        virtual_stages=_fixed("--virtual-stages", args.virtual_stages, "--num-virtual-stages-per-pipeline-rank",
+                              job.virtual_stages),
+        recompute=job.recompute, sequence_parallel="on" if job.sequence_parallel else None,
+        pipeline_parallel=(job.pipeline_parallel,) if job.pipeline_parallel else None)
+    return _JobInputs(job.model_for, global_batch, options, job.precision, job.pipeline_parallel, job.is_padding)
+
+
+def _plan_command(argv: Sequence[str]) -> int:
+    own, rest = (argv[:argv.index("--")], list(argv[argv.index("--") + 1:])) if "--" in argv else (argv, [])
+    args = _plan_parser().parse_args(own)
+    if args.model is not None:
+        if rest or args.megatron_script:
+            raise HeteroError("give the model once: --model, or Megatron flags (after `--` or in --megatron-script)")
+        if args.tokenizer_vocab_size is not None:
+            raise HeteroError("--tokenizer-vocab-size is for Megatron flags; with --model, --vocab-size gives "
+                              "the padded vocabulary")
+        inputs = _model_inputs(args)
+    else:
+        flags = pretrain_flags_of_script(args.megatron_script, rest) if args.megatron_script else rest
+        if not flags:
+            raise HeteroError("no model: give --model NAME|YAML, pretrain_gpt.py's flags after `--`, "
+                              "or --megatron-script train.sh")
+        inputs = _flags_inputs(args, job_of_flags(flags, args.tokenizer_vocab_size))
+    cluster = Cluster.load(args.cluster)
+    options = inputs.options
+    model = inputs.model_for(options.tensor_parallel)
+    profiles = None
+    if args.profiles:
+        profiles = Profiles.load_dir(args.profiles)
+        profiled = inputs.precision or "bf16"
+        missing = _profiles_for(profiles, model, inputs).missing(list(cluster.device_counts()), model, profiled)
+        if missing and not args.roofline_for_missing:
+            raise HeteroError(
+                f"--profiles {args.profiles} has no {profiled} compute profile of this model "
+                f"shape for {', '.join(missing)}; measure them with `hetero-plan profile --slurm` (or "
+                "python -m megatron.hetero.profiling.compute), or pass --roofline-for-missing to estimate "
+                "them from the catalog"
+            )
+
     def progress(step: str) -> None:
         print(f"  searching {step} ...", file=sys.stderr, flush=True)
 
     objective = Objective(args.objective, args.min_tokens_per_s, args.max_dollars_per_hour)
-    job, _ = plan_for_objective(cluster, model, args.global_batch_size, options, objective, profiles,
-                                progress=None if args.quiet else progress,
-                                with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
-                                profiles_source=args.profiles, precision=args.precision)
+    while True:
+        job, _ = plan_for_objective(cluster, model, inputs.global_batch_size, options, objective,
+                                    _profiles_for(profiles, model, inputs),
+                                    progress=None if args.quiet else progress,
+                                    with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
+                                    profiles_source=args.profiles, precision=inputs.precision)
+        # The run pads the vocabulary for the plan's degrees: plan again at those degrees
+        # when that padding differs from the one searched with (each pass narrows them).
+        chosen = tuple(sorted(set(job.plan.stage_tensor_parallel)))
+        exact = inputs.model_for(chosen)
+        if exact == model:
+            break
+        model, options = exact, dataclasses.replace(options, tensor_parallel=chosen)
+    if inputs.pipeline_parallel is not None and inputs.pipeline_parallel != job.plan.pipeline_parallel:
+        raise HeteroError(  # the search keeps to the flags' depth: only a bug gets here
+            f"the flags fix --pipeline-model-parallel-size {inputs.pipeline_parallel}, the plan has "
+            f"{job.plan.pipeline_parallel} stages")
     job.plan.save(args.output)
     print(summary(job.plan, job.prediction, cluster, f"hetero-plan: wrote {args.output}"))
+    if args.model is None:
+        print(f"run        pretrain_gpt.py --hetero-plan {args.output} with the same flags (TP, PP, micro-batch "
+              f"and global batch come from the plan; padded vocabulary {model.vocab_size})")
     if args.timeline:
         print(f"timeline   {timeline_png(job.plan, job.prediction, args.timeline)}")
     return 0

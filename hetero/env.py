@@ -34,6 +34,7 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 # Megatron-Hetero's
@@ -59,6 +60,7 @@ VARIABLES: dict[str, str] = {
     MASTER_ADDR: "the rendezvous host (torchrun)",
     MASTER_PORT: "the rendezvous port (torchrun)",
     TORCHELASTIC_RUN_ID: "set for workers of torchrun's agent: they have a launcher to lose",
+    TORCHELASTIC_ERROR_FILE: "where torchrun's agent reads a failed worker's error (its failure summary shows it)",
     OMP_NUM_THREADS: "CPU threads of one process (the profilers follow it)",
     DEVICE: "the device type this process stands in for (emulation), per local rank",
     VENDOR: "this process's vendor for --distributed-backend hetero, per local rank",

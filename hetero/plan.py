@@ -19,8 +19,10 @@ them, so a malformed file gets a PlanError naming the field, never a MemoryError
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Literal, Sequence
 
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from hetero.balance import split_in_proportion
 from hetero.errors import PlanError
 from hetero.io import describe_validation_error, write_json_atomic
+from hetero.pipeline_layout import SplitFlags, megatron_split
 from hetero.plan_entries import (DeviceEntry, RecomputeEntry, ReplicaEntry, StageEntry, cluster_problems,
                                  virtual_stage_problems)
 from hetero.record import (SECTIONS, ClusterSection, Count, ModelRecord, PredictionRecord, ProvenanceRecord,
@@ -61,6 +64,11 @@ class Plan(BaseModel):
     replicas: list[ReplicaEntry] = Field(min_length=1)
     rank_order: list[Annotated[int, Field(strict=True)]]
     devices: list[DeviceEntry]
+    # Expert parallelism (MoE): experts spread over expert_parallel ranks of each stage, each
+    # expert split over expert_tensor_parallel ranks (None: the stage's tensor-parallel degree,
+    # megatron-core's default). Absent from plans without experts: those load with 1 and None.
+    expert_parallel: Count = 1
+    expert_tensor_parallel: Count | None = None
     # The job record (hetero/record.py): written by hetero-plan, absent from hand-written plans.
     model: ModelRecord | None = None
     training: TrainingRecord | None = None
@@ -118,6 +126,14 @@ class Plan(BaseModel):
                         f"stages[{index}].recompute: uniform groups of {entry.num_layers} layers do "
                         f"not divide the stage's {'+'.join(map(str, chunks))} layers (megatron-core "
                         "recomputes whole groups); use a divisor or the block method")
+        problems += expert_parallel_problems(
+            self.stage_tensor_parallel, [r.num_micro_batches for r in self.replicas],
+            self.expert_parallel, self.expert_tensor_parallel)
+        if self.expert_parallel > 1 and self.model is not None and (
+                self.model.num_experts is None or self.model.num_experts % self.expert_parallel):
+            problems.append(
+                f"expert_parallel {self.expert_parallel} shares out each MoE layer's experts, but the "
+                f"model has {self.model.num_experts or 'no'} experts: use a divisor of the expert count")
         if self.per_stage_tensor_parallel and self.virtual_pipeline_size is not None:
             problems.append(
                 f"stages give different tensor_parallel {self.stage_tensor_parallel} and virtual_stages: "
@@ -178,6 +194,8 @@ class Plan(BaseModel):
     def to_dict(self) -> dict:
         """plan.json's content: layout fields without nulls, the record as given, unknown keys last."""
         data = self.model_dump(mode="json", exclude_none=True, exclude=set(SECTIONS))
+        if self.expert_parallel == 1:  # a plan without expert parallelism reads as before it existed
+            data.pop("expert_parallel")
         unknown = {key: data.pop(key) for key in self.model_extra or {} if key in data}
         for name in SECTIONS:
             section = getattr(self, name)
@@ -264,6 +282,62 @@ class Plan(BaseModel):
         """Every logical rank of one replica (all its stages' tensor groups): its model-parallel group."""
         return [r for s in range(self.pipeline_parallel) for r in self.tensor_group(dp_rank, s)]
 
+    # ----- expert parallelism (megatron-core's expert grid, one per stage) -------------
+
+    def stage_expert_tensor_parallel(self, pp_rank: int) -> int:
+        """The expert tensor-parallel degree of stage pp_rank (default: the stage's degree)."""
+        return self.expert_tensor_parallel or self.stage_tensor_parallel[pp_rank]
+
+    def stage_expert_data_parallel(self, pp_rank: int) -> int:
+        """How many copies of each expert shard stage pp_rank holds: its ranks over EP x ETP."""
+        return (self.stage_tensor_parallel[pp_rank] * self.data_parallel
+                // (self.expert_parallel * self.stage_expert_tensor_parallel(pp_rank)))
+
+    def expert_rank_at(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
+        """The logical rank at (expert tensor, expert model, expert data) ranks of a stage."""
+        return self.stage_offset(pp_rank) + expert_local_rank(
+            etp_rank, ep_rank, edp_rank, self.stage_expert_tensor_parallel(pp_rank), self.expert_parallel)
+
+    def expert_groups(self, pp_rank: int) -> list[list[int]]:
+        """Stage pp_rank's expert model-parallel groups (logical ranks): the ranks that share
+        out the experts and exchange tokens in an all-to-all every micro-batch."""
+        etp = self.stage_expert_tensor_parallel(pp_rank)
+        return [[self.expert_rank_at(t, e, d, pp_rank) for e in range(self.expert_parallel)]
+                for d in range(self.stage_expert_data_parallel(pp_rank)) for t in range(etp)]
+
+    def expert_data_groups(self, pp_rank: int) -> list[list[int]]:
+        """Stage pp_rank's expert data-parallel groups: the ranks holding the same expert shard,
+        which reduce its gradients (and share its distributed-optimizer state)."""
+        etp = self.stage_expert_tensor_parallel(pp_rank)
+        return [[self.expert_rank_at(t, e, d, pp_rank) for d in range(self.stage_expert_data_parallel(pp_rank))]
+                for e in range(self.expert_parallel) for t in range(etp)]
+
+    def expert_tensor_groups(self, pp_rank: int) -> list[list[int]]:
+        """Stage pp_rank's expert tensor-parallel groups: the ranks that split one expert."""
+        etp = self.stage_expert_tensor_parallel(pp_rank)
+        return [[self.expert_rank_at(t, e, d, pp_rank) for t in range(etp)]
+                for d in range(self.stage_expert_data_parallel(pp_rank)) for e in range(self.expert_parallel)]
+
+    def expert_replica_blocks(self) -> list[list[int]]:
+        """The replicas bound to run equal micro-batch counts: those whose ranks share an
+        expert-parallel group (in any stage, transitively), as lists of replica indices."""
+        block_of = list(range(self.data_parallel))
+
+        def root(replica: int) -> int:
+            while block_of[replica] != replica:
+                replica = block_of[replica]
+            return replica
+
+        for pp_rank, tensor_parallel in enumerate(self.stage_tensor_parallel):
+            for group in self.expert_groups(pp_rank):
+                replicas = [(rank - self.stage_offset(pp_rank)) // tensor_parallel for rank in group]
+                for replica in replicas[1:]:
+                    block_of[root(replica)] = root(replicas[0])
+        blocks: dict[int, list[int]] = {}
+        for replica in range(self.data_parallel):
+            blocks.setdefault(root(replica), []).append(replica)
+        return list(blocks.values())
+
     def stage_device(self, dp_rank: int, pp_rank: int) -> "DeviceEntry":
         """The device of tensor rank 0 of one (replica, stage)."""
         return self.device_of_logical(self.rank_at(0, dp_rank, pp_rank))
@@ -293,7 +367,11 @@ class Plan(BaseModel):
             )
         total = global_batch_size // self.micro_batch_size
         weights = [replica.num_micro_batches for replica in self.replicas]
-        counts = split_in_proportion(total, weights)
+        blocks = self.expert_replica_blocks()
+        if all(len(block) == 1 for block in blocks):
+            counts = split_in_proportion(total, weights)
+        else:
+            counts = _split_in_equal_blocks(total, weights, blocks, global_batch_size)
         if min(counts) == 0:
             raise PlanError(
                 f"a global batch of {global_batch_size} samples ({total} micro-batches) leaves "
@@ -344,13 +422,20 @@ class Plan(BaseModel):
         num_layers: int,
         global_batch_size: int,
         devices: list[DeviceEntry] | None = None,
+        expert_parallel: int = 1,
+        expert_tensor_parallel: int | None = None,
+        split_flags: SplitFlags | None = None,
     ) -> "Plan":
-        """The plan stock Megatron runs: even stages, equal replicas, launch-order ranks."""
-        if num_layers % pipeline_parallel:
+        """The plan stock Megatron runs: equal replicas, launch-order ranks, and the stages
+        (virtual stages included) Megatron-LM builds from its split flags, even without them."""
+        split = megatron_split(num_layers, pipeline_parallel, split_flags or SplitFlags())
+        empty = [f"pipeline rank {s}" + (f" virtual stage {v}" if len(chunks) > 1 else "")
+                 for s, chunks in enumerate(split) for v, n in enumerate(chunks) if n < 1]
+        if empty:
             raise PlanError(
-                f"num_layers ({num_layers}) is not divisible by pipeline_parallel "
-                f"({pipeline_parallel}); pass a --hetero-plan with an uneven stage split"
-            )
+                f"Megatron-LM's split of {num_layers} layers {split} leaves {', '.join(empty)} without a "
+                "decoder layer (only the embedding or the loss), which a plan cannot hold yet; give "
+                "every (virtual) stage at least one layer")
         per_replica = micro_batch_size * data_parallel
         if global_batch_size % per_replica:
             raise PlanError(
@@ -361,18 +446,32 @@ class Plan(BaseModel):
         world = tensor_parallel * pipeline_parallel * data_parallel
         if devices is None:
             devices = [DeviceEntry(host="localhost", device_type="cpu", vendor="cpu")] * world
-        return cls(
-            version=PLAN_VERSION,
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            data_parallel=data_parallel,
-            micro_batch_size=micro_batch_size,
-            stages=[StageEntry(num_layers=num_layers // pipeline_parallel)] * pipeline_parallel,
-            replicas=[ReplicaEntry(num_micro_batches=global_batch_size // per_replica)]
-            * data_parallel,
-            rank_order=list(range(world)),
-            devices=list(devices),
-        )
+        problems = expert_parallel_problems([tensor_parallel] * pipeline_parallel,
+                                            [global_batch_size // per_replica] * data_parallel,
+                                            expert_parallel, expert_tensor_parallel)
+        if problems:  # in the flags' words: this layout comes from them
+            raise PlanError("the expert layout of --expert-model-parallel-size / --expert-tensor-parallel-size: "
+                            + "; ".join(problems))
+        try:
+            return cls(
+                version=PLAN_VERSION,
+                tensor_parallel=tensor_parallel,
+                pipeline_parallel=pipeline_parallel,
+                data_parallel=data_parallel,
+                micro_batch_size=micro_batch_size,
+                stages=[StageEntry(num_layers=sum(chunks), virtual_stages=chunks if len(chunks) > 1 else None)
+                        for chunks in split],
+                replicas=[ReplicaEntry(num_micro_batches=global_batch_size // per_replica)]
+                * data_parallel,
+                rank_order=list(range(world)),
+                devices=list(devices),
+                expert_parallel=expert_parallel,
+                expert_tensor_parallel=expert_tensor_parallel,
+            )
+        except ValidationError as err:  # in the words of the flags this layout comes from
+            raise PlanError(describe_validation_error(
+                err, "Megatron-LM's layout from the flags", "uniform plan",
+                "Change the flags named (or give a --hetero-plan).")) from None
 
     def summary(self) -> str:
         stages = ",".join(
@@ -381,6 +480,8 @@ class Plan(BaseModel):
         replicas = ",".join(str(r.num_micro_batches) for r in self.replicas)
         tp = ("[" + ",".join(map(str, self.stage_tensor_parallel)) + "]" if self.per_stage_tensor_parallel
               else str(self.tensor_parallel))
+        if self.expert_parallel > 1 or self.expert_tensor_parallel is not None:
+            tp += f" EP={self.expert_parallel} ETP={self.expert_tensor_parallel or tp}"
         return (
             f"TP={tp} PP={self.pipeline_parallel} DP={self.data_parallel} "
             f"micro-batch={self.micro_batch_size} layers per stage=[{stages}] "
@@ -396,3 +497,85 @@ def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: i
     else asks the Plan."""
     degrees = [tensor_parallel] * (pp_rank + 1) if isinstance(tensor_parallel, int) else tensor_parallel
     return data_parallel * sum(degrees[:pp_rank]) + tp_rank + degrees[pp_rank] * dp_rank
+
+
+def _split_in_equal_blocks(total: int, weights: list[int], blocks: list[list[int]],
+                           global_batch_size: int) -> list[int]:
+    """total micro-batches in proportion to weights, equal inside each block: each block's
+    replicas get the floor of their share, then whole blocks one more each by largest
+    remainder (ties to the lower replica) while micro-batches are left for a whole block."""
+    whole = sum(weights)
+    shares = [Fraction(total * weights[block[0]], whole) for block in blocks]
+    per_replica = [math.floor(share) for share in shares]
+    left = total - sum(n * len(block) for n, block in zip(per_replica, blocks))
+    for index in sorted(range(len(blocks)), key=lambda i: (-(shares[i] - per_replica[i]), blocks[i][0])):
+        if 0 < len(blocks[index]) <= left:
+            per_replica[index] += 1
+            left -= len(blocks[index])
+    if left:
+        raise PlanError(
+            f"a global batch of {global_batch_size} samples ({total} micro-batches) cannot be split "
+            f"between the replicas in proportion to {weights} with equal counts inside each "
+            f"expert-parallel block of replicas {blocks} (its all-to-all runs every micro-batch); "
+            f"use --rampup-batch-size START and INCREMENT of multiples of "
+            f"{math.lcm(*map(len, blocks))} micro-batches")
+    counts = [0] * len(weights)
+    for n, block in zip(per_replica, blocks):
+        for replica in block:
+            counts[replica] = n
+    return counts
+
+
+def expert_local_rank(etp_rank: int, ep_rank: int, edp_rank: int, expert_tensor_parallel: int,
+                      expert_parallel: int) -> int:
+    """megatron-core's expert order inside one stage (expert tensor fastest, then expert
+    model, then expert data), counted from the stage's first logical rank."""
+    return etp_rank + expert_tensor_parallel * (ep_rank + expert_parallel * edp_rank)
+
+
+def expert_parallel_problems(stage_tensor_parallel: Sequence[int], replica_micro_batches: Sequence[int],
+                             expert_parallel: int, expert_tensor_parallel: int | None = None) -> list[str]:
+    """What is wrong with expert parallelism on this layout (empty: nothing), for Plan's
+    validation and for a planner choosing replica shares before it builds a Plan.
+
+    Each stage's TP x DP ranks must split into EP x ETP blocks (megatron-core's expert grid).
+    Each expert model-parallel group runs an all-to-all in every micro-batch's forward and
+    backward, so the replicas its ranks belong to must run equally many micro-batches; a
+    replica with more would wait forever for the others' next all-to-all.
+    """
+    data_parallel = len(replica_micro_batches)
+    if expert_parallel == 1 and expert_tensor_parallel is None:
+        return []
+    problems = []
+    for pp_rank, tensor_parallel in enumerate(stage_tensor_parallel):
+        etp = expert_tensor_parallel or tensor_parallel
+        ranks = tensor_parallel * data_parallel
+        if expert_parallel == 1 and etp != tensor_parallel:
+            # megatron-core marks experts as expert-parallel parameters only with EP > 1; with
+            # EP 1 their gradients are reduced over the data-parallel group alone, missing the
+            # other tensor ranks that then hold copies of the same experts.
+            problems.append(
+                f"expert_tensor_parallel {etp} differs from stage {pp_rank}'s tensor_parallel "
+                f"{tensor_parallel} with expert_parallel 1, which megatron-core does not train "
+                "correctly; set expert_parallel above 1 or expert_tensor_parallel to the stage's degree")
+            continue
+        if ranks % (expert_parallel * etp):
+            problems.append(
+                f"expert_parallel {expert_parallel} x expert_tensor_parallel {etp} = {expert_parallel * etp} "
+                f"does not divide stage {pp_rank}'s {ranks} ranks (tensor_parallel {tensor_parallel} x "
+                f"data_parallel {data_parallel}); choose degrees whose product divides it")
+            continue
+        for edp_rank in range(ranks // (expert_parallel * etp)):
+            for etp_rank in range(etp):
+                members = [expert_local_rank(etp_rank, e, edp_rank, etp, expert_parallel)
+                           for e in range(expert_parallel)]
+                replicas = sorted({local // tensor_parallel for local in members})
+                counts = [replica_micro_batches[r] for r in replicas]
+                if len(set(counts)) > 1:
+                    return problems + [
+                        f"expert_parallel {expert_parallel}: an expert-parallel group of stage {pp_rank} "
+                        f"spans replicas {replicas}, which run {counts} micro-batches; its ranks exchange "
+                        "tokens in every micro-batch, so the replica with fewer would leave the others "
+                        "waiting forever. Give the replicas of each expert-parallel group equal "
+                        "micro-batch counts (hetero-plan does), or lower expert_parallel"]
+    return problems

@@ -111,6 +111,17 @@ class ModelRecord(_Section):
     num_experts: Dimension | None = Field(default=None, description="experts per MoE layer; null: a dense MLP")
     moe_router_topk: Dimension = Field(default=2, description="experts each token is routed to")
     moe_ffn_hidden_size: Dimension | None = Field(default=None, description="default: ffn_hidden_size")
+    moe_shared_expert_intermediate_size: Dimension | None = Field(
+        default=None, description="shared experts' total FFN width; null: none")
+    moe_layer_freq: Dimension | list[Literal[0, 1]] = Field(
+        default=1, description="every k-th layer is MoE, or one 0/1 per layer (--moe-layer-freq)")
+    mtp_num_layers: Dimension | None = Field(default=None, description="multi-token prediction layers")
+    multi_latent_attention: bool = False
+    q_lora_rank: Dimension | None = Field(default=None, description="MLA query rank; null: full rank")
+    kv_lora_rank: Dimension = 32
+    qk_head_dim: Dimension = 128
+    qk_pos_emb_head_dim: Dimension = 64
+    v_head_dim: Dimension = 128
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelRecord":
@@ -156,6 +167,9 @@ class TrainingRecord(_Section):
     overlap_param_gather: bool = False
     grad_reduce_dtype: Precision | None = Field(default=None, description="null: Megatron's default")
     scatter_stage_transfers: bool = False
+    fused_softmax: bool | None = Field(default=None, description="null: as fused_kernels")
+    tp_comm_overlap: bool = Field(default=False, description="tensor-parallel communication priced as overlapped "
+                                  "with the GEMMs (--tp-comm-overlap); the runtime does not switch it on yet")
     precision_reason: str | None = Field(default=None, description="why this precision, for a person")
 
     JOB_FIELDS: ClassVar[tuple[str, ...]] = ("global_batch_size", "seq_length", "precision_reason")

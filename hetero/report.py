@@ -54,7 +54,9 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
             lines.append(f"precision  {training.precision_reason}")
     family = provenance.family if provenance is not None else None
     lines.append(
-        f"layout     TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel}, "
+        f"layout     TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel}"
+        + (f" EP={plan.expert_parallel}" if plan.expert_parallel > 1 else "")
+        + (f" ETP={plan.expert_tensor_parallel}" if plan.expert_tensor_parallel is not None else "") + ", "
         f"micro-batch {plan.micro_batch_size}" + (f", {family} replicas" if family else "")
     )
     lines.append("stages     stage  layers  recompute  devices")

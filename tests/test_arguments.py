@@ -84,3 +84,68 @@ def test_vocab_padding_follows_megatron():
 )
 def test_device_names(plan_name, driver_name, match):
     assert device_type_matches(plan_name, driver_name) is match
+
+
+def test_megatron_config_dataclasses_take_every_honoured_field():
+    """Megatron-LM's rule for OptimizerConfig (and TransformerConfig): every honoured flag
+    named like a field is copied; the fields the caller decides win."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.hetero.arguments import config_from_flags
+
+    plain = config_from_flags(OptimizerConfig, parse_args(GPT_MODEL + TRAINING), lr=5.0)
+    assert plain.lr == 5.0 and plain.barrier_with_L1_time and not plain.apply_wd_to_qk_layernorm
+    given = parse_args(GPT_MODEL + TRAINING + ["--apply-wd-to-qk-layernorm", "--no-barrier-with-level-1-timing"])
+    config = config_from_flags(OptimizerConfig, given)
+    assert config.apply_wd_to_qk_layernorm and not config.barrier_with_L1_time
+    # Megatron-LM's deprecated spelling of the same switch.
+    old = parse_args(GPT_MODEL + TRAINING + ["--no-weight-decay-cond-type", "apply_wd_to_qk_layernorm"])
+    old.tensor_model_parallel_size = 1
+    validate_args(old)
+    assert old.apply_wd_to_qk_layernorm
+
+
+def test_megatrons_other_names_of_num_layers_and_seq_length():
+    without = [a for a in GPT_MODEL]
+    for flag in ("--num-layers", "--seq-length"):
+        index = without.index(flag)
+        del without[index:index + 2]
+    args = parse_args(without + TRAINING + ["--encoder-num-layers", "3", "--encoder-seq-length", "16"])
+    assert (args.num_layers, args.seq_length) == (3, 16)
+    with pytest.raises(HeteroError, match="--encoder-num-layers and --num-layers name the same setting"):
+        parse_args(GPT_MODEL + TRAINING + ["--encoder-num-layers", "3"])
+
+
+def test_dataset_flags_reach_megatron_cores_dataset_config(tmp_path):
+    from megatron.hetero import data
+
+    args = parse_args(GPT_MODEL + TRAINING + ["--num-dataset-builder-threads", "2",
+                                              "--mid-level-dataset-surplus", "0.01",
+                                              "--allow-ambiguous-pad-tokens"])
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = args.data_parallel_size = 1
+    validate_args(args)
+    config = data.build_datasets(args, data.build_tokenizer(args), 64)[0].config
+    assert (config.num_dataset_builder_threads, config.mid_level_dataset_surplus,
+            config.allow_ambiguous_pad_tokens) == (2, 0.01, True)
+    args.per_dataset_sequences_path = str(tmp_path / "missing.json")
+    with pytest.raises(HeteroError, match="--per-dataset-sequences-path .*missing.json"):
+        data.build_datasets(args, data.build_tokenizer(args), 64)
+    with pytest.raises(HeteroError, match="--dataloader-defer-npy-index-mmap needs --data-cache-path"):
+        _validated("--dataloader-defer-npy-index-mmap")
+
+
+def _validated(*extra):
+    args = _args(*extra)
+    validate_args(args)
+    return args
+
+
+def test_logging_level_sets_the_root_logger_as_megatron_does():
+    import logging
+
+    root = logging.getLogger()
+    before = root.level
+    try:
+        _validated("--logging-level", "40")
+        assert root.level == 40
+    finally:
+        root.setLevel(before)

@@ -89,6 +89,8 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused(checkpoint_at_3):
     assert result.returncode == 2
     assert "is of another model (" in result.stderr
     assert "hidden_size: checkpoint 64, this run 128" in result.stderr
+    # found at start-up, before any process group, with the flags that build the checkpoint's model
+    assert "give the flags that build its model: --hidden-size 64, --ffn-hidden-size 256" in result.stderr
     plain = [a for a in SIX if a != "--use-distributed-optimizer"]
     result = run_pretrain(plain + ["--load", str(root)], timeout=180)
     assert result.returncode == 2

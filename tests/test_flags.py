@@ -153,12 +153,12 @@ def test_fp8_names_transformer_engine():
 
 def test_all_refused_and_unknown_flags_are_reported_in_one_error():
     with pytest.raises(HeteroError) as err:
-        parse_args(BASE + ["--fp8-format", "hybrid", "--profile", "--tp-comm-overlap-cfg",
+        parse_args(BASE + ["--fp8-format", "hybrid", "--log-energy", "--tp-comm-overlap-cfg",
                            "userbuffers.yaml", "--batch-size", "4", "--hiden-size", "8"])
     message = str(err.value)
     assert message.startswith("5 flag(s) Megatron-Hetero cannot run:")
-    for expected in ("--fp8-format: FP8", "--profile: Megatron-LM's torch/nsys profiler",
-                     "--tp-comm-overlap-cfg: a communication-overlap or bucketing variant",
+    for expected in ("--fp8-format: FP8", "--log-energy: a logging or timing option",
+                     "--tp-comm-overlap-cfg: a communication-overlap variant",
                      "--batch-size: removed from Megatron-LM; use --micro-batch-size",
                      "unknown flag --hiden-size (did you mean --hidden-size?)"):
         assert expected in message
@@ -185,9 +185,10 @@ def test_refused_values_are_megatrons_and_not_ours():
 
 
 def test_refused_flags_take_megatrons_value_syntax():
-    with pytest.raises(SystemExit):  # argparse: invalid choice, as Megatron-LM says it
+    # argparse's words, as Megatron-LM says it, reported as bad input (exit 2, no usage dump)
+    with pytest.raises(HeteroError, match="argument --fp8-format: invalid choice: 'fp9'"):
         parse_args(BASE + ["--fp8-format", "fp9"])
-    with pytest.raises(SystemExit):  # three integers
+    with pytest.raises(HeteroError, match="--rampup-batch-size: expected 3 arguments"):
         parse_args(BASE + ["--rampup-batch-size", "16", "16"])
 
 
@@ -200,7 +201,7 @@ def test_noops_are_accepted_and_said(ruling):
     assert [m for m in args.noop_flags if m.startswith(f"{option}: no-op, ")], args.noop_flags
 
 
-@pytest.mark.parametrize("given", [["--no-rl-skip-bos-token"], ["--cp-comm-type", "p2p"]])
+@pytest.mark.parametrize("given", [["--cuda-graph-impl", "none"], ["--cp-comm-type", "p2p"]])
 def test_a_refused_flag_at_megatrons_default_changes_nothing(given):
     args = parse_args(BASE + given)
     assert args.noop_flags == [f"{' '.join(given)}: Megatron-LM's default value; no effect"]
@@ -311,6 +312,35 @@ def test_docs_flags_md_gives_every_flag_one_status():
 # rest get _non_default_value. Values other than Megatron-LM's default, so each one asks for
 # something.
 HONOURED_SAMPLES = {
+    # Flags with their companions ({tmp}: the test's directory, holding the data-args files).
+    "--profile": ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "{tmp}/tb"],
+    "--save-retain-interval": ["--save", "{tmp}/ckpt", "--save-interval", "2", "--save-retain-interval", "4"],
+    "--use-checkpoint-args": ["--use-checkpoint-args", "--load", "{tmp}/ckpt"],
+    "--non-persistent-save-interval": ["--save", "{tmp}/ckpt", "--non-persistent-ckpt-type", "global",
+                                       "--non-persistent-save-interval", "2"],
+    "--ckpt-convert-format": ["--load", "{tmp}/ckpt", "--ckpt-convert-format", "torch_dist",
+                              "--ckpt-convert-save", "{tmp}/converted"],
+    "--overlap-param-gather-with-optimizer-step": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                                   "--overlap-param-gather",
+                                                   "--overlap-param-gather-with-optimizer-step"],
+    "--data-args-path": ["--data-args-path", "{tmp}/data_args"],
+    "--per-split-data-args-path": ["--per-split-data-args-path", "{tmp}/splits.json"],
+    # One process here: degree 1 (the plan-made degrees are tested with several processes).
+    "--expert-model-parallel-size": ["--num-experts", "4", "--disable-bias-linear",
+                                     "--expert-model-parallel-size", "1"],
+    "--expert-tensor-parallel-size": ["--num-experts", "4", "--disable-bias-linear",
+                                      "--expert-tensor-parallel-size", "1"],
+    "--fp32-residual-connection": ["--fp32-residual-connection", "--bf16"],
+    "--fp16-lm-cross-entropy": ["--fp16-lm-cross-entropy", "--fp16"],
+    "--encoder-num-layers": ["--encoder-num-layers", "4"],
+    "--encoder-seq-length": ["--encoder-seq-length", "32"],
+    "--window-size": ["--window-size", "4,0"],
+    "--window-attn-skip-freq": ["--window-size", "4,0", "--window-attn-skip-freq", "2"],
+    "--no-rope-freq": ["--position-embedding-type", "rope", "--no-rope-freq", "2"],
+    "--moe-layer-freq": ["--num-experts", "4", "--disable-bias-linear", "--moe-layer-freq", "([0]+[1]*3)"],
+    "--dataloader-fast-cache-load": ["--dataloader-fast-cache-load", "--data-cache-path", "/nonexistent/cache"],
+    "--dataloader-defer-npy-index-mmap": ["--dataloader-defer-npy-index-mmap", "--data-cache-path",
+                                          "/nonexistent/cache"],
     "--tensor-model-parallel-size": ["--tensor-model-parallel-size", "2"],
     "--pipeline-model-parallel-size": ["--pipeline-model-parallel-size", "2"],
     "--hidden-size": ["--hidden-size", "128"],
@@ -345,9 +375,23 @@ HONOURED_SAMPLES = {
                                                "--num-virtual-stages-per-pipeline-rank", "2"],
     "--overlap-param-gather": ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                "--overlap-param-gather"],
+    "--decoder-first-pipeline-num-layers": ["--pipeline-model-parallel-size", "2",
+                                            "--decoder-first-pipeline-num-layers", "1"],
+    "--decoder-last-pipeline-num-layers": ["--pipeline-model-parallel-size", "2",
+                                           "--decoder-last-pipeline-num-layers", "3"],
+    "--pipeline-model-parallel-layout": ["--pipeline-model-parallel-size", "2",
+                                         "--pipeline-model-parallel-layout", "Et|t*3L"],
+    "--account-for-embedding-in-pipeline-split": ["--pipeline-model-parallel-size", "2",
+                                                  "--num-layers", "3", "--account-for-embedding-in-pipeline-split"],
+    "--account-for-loss-in-pipeline-split": ["--pipeline-model-parallel-size", "2", "--num-layers", "3",
+                                             "--account-for-loss-in-pipeline-split"],
 }
 # Values that need hardware this machine may lack: checked where it has it.
 GPU_ONLY = {"--transformer-impl": "transformer_engine", "--distributed-backend": "nccl"}
+# Flags that need a GPU whatever their value (their CPU refusal: tests/test_flags_honoured.py).
+CUDA_ONLY_FLAGS = {"--record-memory-history", "--log-device-memory-used"}
+DATA_FLAGS = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+              "--per-split-data-args-path"}
 
 
 def _base_for(given: list[str]) -> list[str]:
@@ -355,14 +399,17 @@ def _base_for(given: list[str]) -> list[str]:
     drop = set()
     if "--train-samples" in given:
         drop.add("--train-iters")
-    if "--data-path" in given:
+    for alias, flag in (("--encoder-num-layers", "--num-layers"), ("--encoder-seq-length", "--seq-length")):
+        if alias in given:
+            drop.add(flag)
+    if DATA_FLAGS & set(given):
         drop.add("--mock-data")
     out, skip = [], 0
     for i, arg in enumerate(BASE):
         if skip:
             skip -= 1
         elif arg in drop:
-            skip = 1 if arg == "--train-iters" else 0
+            skip = 1 if arg in ("--train-iters", "--num-layers", "--seq-length") else 0
         else:
             out.append(arg)
     return out
@@ -382,8 +429,13 @@ def _honoured_sample(ruling: flags.Ruling) -> list[str]:
 
 
 @pytest.mark.parametrize("flag", [f for f, s in DOC_STATUS.items() if s == ["honoured"]])
-def test_a_flag_docs_call_honoured_runs(flag):
-    given = _honoured_sample(TABLE[flag])
+def test_a_flag_docs_call_honoured_runs(flag, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B without an account, as --wandb-project's error advises
+    if flag in CUDA_ONLY_FLAGS and not __import__("torch").cuda.is_available():
+        pytest.skip("needs a GPU")
+    given = [arg.replace("{tmp}", str(tmp_path)) for arg in _honoured_sample(TABLE[flag])]
+    (tmp_path / "data_args").write_text("prefix")
+    (tmp_path / "splits.json").write_text('{"train": ["prefix"], "valid": [], "test": []}')
     world = 2 if {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"} & set(given) else 1
     job = configure(_base_for(given) + given, world)
     assert job.args.noop_flags == []
@@ -417,7 +469,7 @@ def _help_sections(text: str) -> dict[str, str]:
 
 
 def test_help_groups_every_flag_by_status_and_theme():
-    result = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--help"],
+    result = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--help-all"],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     sections = _help_sections(result.stdout)
@@ -473,7 +525,126 @@ def test_gpu_only_choices_run_as_their_cpu_equivalents():
 
 
 @pytest.mark.parametrize("flag", ["--fp8-format", "--cuda-graph-impl", "--tp-comm-overlap-cfg",
-                                  "--te-rng-tracker", "--use-sharp"])
+                                  "--te-rng-tracker", "--use-nccl-ub"])
 def test_gpu_only_choices_without_a_cpu_equivalent_stay_refused(flag):
     assert TABLE[flag].status is flags.Status.REFUSED
     assert TABLE[flag].theme in ("low_precision", "gpu_runtime", "overlap")
+
+
+# ---- the general rules: flags Megatron-LM never reads, flags that are config fields ------
+
+def test_a_flag_megatron_never_reads_is_a_noop_saying_why():
+    """The no-op rule follows Megatron-LM's code (flags/reads.py): read nowhere, or only
+    under a switch that stays refused (named in the reason)."""
+    assert "read nowhere" in TABLE["--dino-teacher-temp"].reason
+    fim_rate = TABLE["--fim-rate"]
+    assert fim_rate.status is flags.Status.NOOP and "--fim-data" in fim_rate.reason
+    assert TABLE["--fim-data"].status is flags.Status.REFUSED   # the switch itself
+    # A flag read by an assertion only (a check, never an effect) is a no-op too.
+    assert TABLE["--moe-pad-experts-for-cuda-graph-inference"].status is flags.Status.NOOP
+    args = parse_args(BASE + ["--fim-rate", "0.5", "--dino-teacher-temp", "0.1"])
+    assert [m.split(":")[0] for m in args.noop_flags] == ["--fim-rate", "--dino-teacher-temp"]
+
+
+def test_a_catalog_entry_for_a_flag_megatron_never_reads_is_an_error(monkeypatch):
+    monkeypatch.setitem(catalog._THEME_FLAGS, "legacy", (*catalog._THEME_FLAGS["legacy"], "--fim-rate"))
+    with pytest.raises(RuntimeError, match="never acts on it.*--fim-rate"):
+        flags.check_registry(flags.defined_options(PARSER))
+
+
+def test_the_reads_scanner_follows_gates_checks_and_early_returns():
+    """tools/megatron_flag_reads.py's rules, on a small program of Megatron-LM's shape."""
+    import ast
+
+    from tools.megatron_flag_reads import _Reads
+
+    source = '''
+def train(args):
+    if args.fim_data and args.fim_rate > 0:
+        use(args.fim_spm_rate)
+    assert args.checked_only > 0
+    if args.plain:
+        assert args.also_checked
+    use(args.always)
+def setup(args):
+    if not args.enable_ft:
+        return
+    use(args.ft_interval)
+'''
+    visitor = _Reads("megatron/training/x.py", {"fim_rate", "fim_spm_rate", "checked_only", "also_checked",
+                                                  "always", "ft_interval"})
+    visitor.visit(ast.parse(source))
+    found = {dest: [(r["gated_by"], r["check"]) for r in reads] for dest, reads in visitor.found.items()}
+    assert found == {"fim_rate": [(["fim_data"], False)], "fim_spm_rate": [(["fim_data"], False)],
+                     "checked_only": [([], True)], "also_checked": [([], True)], "always": [([], False)],
+                     "ft_interval": [(["enable_ft"], False)]}
+
+
+def test_config_field_flags_are_declared_from_megatrons_facts():
+    """Honouring a megatron-core config field is listing it (arguments.CONFIG_FIELD_FLAGS):
+    its names, default and value syntax are Megatron-LM's."""
+    from megatron.hetero.arguments import CONFIG_FIELD_FLAGS, honoured_config_values
+
+    by_name = {f.name: f for f in flags.megatron_flags()}
+    args = parse_args(BASE)
+    for names in CONFIG_FIELD_FLAGS.values():
+        for name in names:
+            assert TABLE[name].status is flags.Status.HONOURED, name
+            assert getattr(args, by_name[name].dest) == by_name[name].default, name
+    given = parse_args(BASE + ["--moe-layer-freq", "([0]+[1]*3)", "--window-size", "(4,0)",
+                               "--no-rope-freq", "2"])
+    values = honoured_config_values(given, {"moe_layer_freq", "window_size", "no_rope_freq", "hidden_size"})
+    assert values == {"moe_layer_freq": [0, 1, 1, 1], "window_size": (4, 0), "no_rope_freq": 2,
+                      "hidden_size": 64}
+    with pytest.raises(HeteroError, match="not a layer pattern"):
+        parse_args(BASE + ["--moe-layer-freq", "[1]*__import__('os').getpid()"])
+
+
+def test_tokenizer_flags_reach_megatron_cores_tokenizer(tmp_path):
+    import tiny_tokenizers
+    from megatron.hetero.data import build_tokenizer
+
+    model = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+             str(tiny_tokenizers.huggingface_dir(tmp_path))]
+    plain = build_tokenizer(parse_args(BASE + model))
+    special = build_tokenizer(parse_args(BASE + model + ["--tokenizer-special-tokens", "<fim>"]))
+    assert special.vocab_size == plain.vocab_size + 1
+    assert special.tokenize("<fim>") == [plain.vocab_size] != plain.tokenize("<fim>")
+
+
+def test_moe_dispatcher_flex_is_refused_by_name():
+    with pytest.raises(HeteroError, match="--moe-token-dispatcher-type flex: the flex dispatcher runs on DeepEP"):
+        parse_args(BASE + ["--num-experts", "4", "--moe-token-dispatcher-type", "flex"])
+
+
+def test_a_config_field_only_a_refused_feature_reads_is_a_noop():
+    """megatron-core code that only one feature builds (flags/reads.py CORE_FEATURES): its
+    switch stays refused, so the fields only it reads are no-ops naming it."""
+    from megatron.hetero.flags.reads import CORE_FEATURES
+
+    for switch in set(CORE_FEATURES.values()):
+        option, *value = switch.split()
+        if value:
+            assert value[0] in catalog.REFUSED_VALUES[option], switch
+        else:
+            assert TABLE[option].status is flags.Status.REFUSED, switch
+    assert TABLE["--fsdp-double-buffer"].status is flags.Status.NOOP
+    assert "--use-megatron-fsdp" in TABLE["--fsdp-double-buffer"].reason
+    assert "--optimizer muon" in TABLE["--muon-momentum"].reason
+
+
+def test_timing_log_option_takes_effect():
+    """--timing-log-option max prints one number per timer (megatron-core's Timers), where
+    Megatron-LM's default, minmax, prints the (min, max) pair."""
+    result = run_pretrain(BASE + ["--timing-log-level", "1", "--timing-log-option", "max",
+                                  "--train-iters", "1", "--eval-iters", "0"])
+    assert result.returncode == 0, result.output[-3000:]
+    lines = [line for line in result.output.splitlines() if "forward-backward ...." in line]
+    assert lines and all(re.search(r"forward-backward \.+: [\d.]+$", line) for line in lines), lines
+
+
+def test_the_reads_scan_is_of_the_facts_tag_and_every_flag():
+    from megatron.hetero.flags import reads
+
+    assert reads.scanned_tag() == flags.megatron_tag()
+    assert {f.dest for f in flags.megatron_flags()} <= reads.scanned_dests()

@@ -1,4 +1,6 @@
 import json
+import os
+import sys
 
 from conftest import make_plan
 from hetero.launch import main, node_commands
@@ -37,3 +39,27 @@ def test_cli_prints_and_rejects_bad_node(tmp_path, capsys):
     assert "# node 1: gpu-b, launch ranks 4-5" in out and out.count("torchrun") == 2
     assert main([str(path), "--node-rank", "5"]) == 2
     assert "outside the plan's 2 nodes" in capsys.readouterr().err
+
+
+def test_run_starts_the_node_under_torchrun_without_its_traceback(tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_two_node_plan().to_dict()))
+    started = []
+    monkeypatch.setattr(os, "execve", lambda program, argv, environ: started.append((argv, environ)))
+    main([str(path), "--node-rank", "1", "--run", "--emulate-devices", "--", "--lr", "1e-4"])
+    argv, environ = started[0]
+    assert argv[:3] == [sys.executable, "-m", "megatron.hetero.launcher"]
+    assert "--node-rank=1" in argv and argv[-2:] == ["--lr", "1e-4"]
+    assert environ["HETERO_DEVICE"] == "MI250X,MI250X"
+
+
+def test_launcher_ends_with_what_the_exit_codes_mean():
+    from megatron.hetero.launcher import summary
+
+    assert summary({0: 2, 1: 2, 2: 2, 3: 1, 5: -9}, "pretrain_gpt.py") == [
+        "pretrain_gpt.py: launch ranks 0-2 exited with code 2 (bad input: the problems and their fixes "
+        "are printed above)",
+        "pretrain_gpt.py: launch rank 3 exited with code 1 (a lost rank, launcher or store, or a crash; "
+        "the ranks' messages are above)",
+        "pretrain_gpt.py: launch rank 5 was killed by SIGKILL",
+    ]

@@ -1,11 +1,14 @@
 """Megatron-LM's own GPT and MoE recipes (tests/megatron_corpus/: every functional-test
 recipe at core_v0.16.1 and the example launch scripts), run under one scale-down rule at
-their own parallel layout: each trains, or is refused with the runtime's reason naming a
-flag - never a traceback. docs/megatron-recipes.md is the table of the recorded statuses.
+their own parallel layout, both without a plan and under a heterogeneous plan of the same
+layout made from their flags (plans.py): each trains, or is refused with the runtime's
+reason naming a flag - never a traceback. docs/megatron-recipes.md is the table of the
+recorded statuses (statuses.json, written by python -m tests.megatron_corpus.report).
 
-Every recipe is configured in-process (where refusals are decided) on every run; a stable
-sample of the recipes that train is launched by default, all of them with
-MEGATRON_CORPUS=all (python -m tests.megatron_corpus.report regenerates the table).
+Every recipe is configured in-process both ways (where refusals are decided) on every run.
+Launched both ways: a stable sample by hash of the recipes that train (every recipe runs
+data-parallel or model-parallel, so each launch is 2-8 processes); all of them with
+MEGATRON_CORPUS=all (python -m tests.megatron_corpus.report runs them all and records them).
 """
 
 from __future__ import annotations
@@ -19,15 +22,23 @@ import tiny_tokenizers
 from conftest import run_pretrain
 from tests.megatron_corpus import report
 from tests.megatron_corpus.corpus import recipes
+from tests.megatron_corpus.plans import PINNING_FLAGS, megatron_split, plan_for
 from tests.megatron_corpus.scale import check_divisible, layout_of, scale_down
 
 RECIPES = recipes()
 BY_NAME = {r.name: r for r in RECIPES}
 RECORDED = report.load_statuses()
-TRAINED = sorted((r for r in RECIPES if RECORDED.get(r.name, report.Outcome("", "")).status == "trained"),
-                 key=lambda r: r.sample_key())
-SAMPLE = 8  # launched by default (4-8 s each on 2 cores)
-LAUNCHED = TRAINED if os.environ.get("MEGATRON_CORPUS") == "all" else TRAINED[:SAMPLE]
+SAMPLE = 4  # recipes launched both ways by default (3-5 s a launch on 2 cores)
+
+
+def _launched() -> list[tuple]:
+    """(recipe, way) pairs launched: each way the record says trains."""
+    by_hash = sorted(RECIPES, key=lambda r: r.sample_key())
+    training = [r for r in by_hash if r.name in RECORDED
+                and any(getattr(RECORDED[r.name], w).status == "trained" for w in report.WAYS)]
+    chosen = by_hash if os.environ.get("MEGATRON_CORPUS") == "all" else training[:SAMPLE]
+    return [pytest.param(r, w, id=f"{r.name}-{w}") for r in chosen if r.name in RECORDED
+            for w in report.WAYS if getattr(RECORDED[r.name], w).status == "trained"]
 
 
 def test_corpus_holds_every_gpt_and_moe_recipe():
@@ -36,11 +47,11 @@ def test_corpus_holds_every_gpt_and_moe_recipe():
     assert {r.source for r in RECIPES if r.name.startswith("examples/")} == {
         "examples/gpt3/train_gpt3_175b_distributed.sh", "examples/llama/train_llama3_8b_h100_fp8.sh",
         "examples/mixtral/train_mixtral_8x7b_distributed.sh"}
-    assert set(RECORDED) == set(BY_NAME), "rerun python -m tests.megatron_corpus.report"
+    assert set(RECORDED) == set(BY_NAME), "rerun python -m tests.megatron_corpus.report --run-all"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
-def test_scale_down_keeps_the_layout(recipe, tmp_path):
+def test_scale_down_keeps_the_layout_and_the_plan_agrees(recipe, tmp_path):
     argv = scale_down(recipe.flags, tmp_path)
     given = {p[0]: p[1] if len(p) > 1 else None for p in recipe.flags}
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -50,46 +61,98 @@ def test_scale_down_keeps_the_layout(recipe, tmp_path):
         if flag in given:
             index = argv.index(flag)
             assert given[flag] is None or argv[index + 1] == given[flag], flag
-    check_divisible(layout_of(recipe.flags), argv)
+    layout = layout_of(recipe.flags)
+    check_divisible(layout, argv)
     assert not any("$" in a for a in argv)
+    made = plan_for(recipe.flags, argv, layout)
+    if made.plan is None:  # the recipe gives no model size, a split no plan holds, a refused expert layout
+        assert ("--num-layers" not in argv or "--pipeline-model-parallel-layout" in argv
+                or "expert_tensor_parallel" in made.note), made.note
+        return
+    plan, values = made.plan, dict(zip(argv, argv[1:]))
+    split = megatron_split(argv, layout)
+    # The recipe's own layout: every flag the plan also fixes agrees with it.
+    assert plan.world_size * layout.cp == layout.world_size
+    assert (plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel) == (layout.tp, layout.pp, layout.dp)
+    assert (plan.virtual_pipeline_size or 1) == layout.virtual
+    assert plan.micro_batch_size == int(values["--micro-batch-size"])
+    assert plan.global_batch_size == int(values.get("--global-batch-size", plan.micro_batch_size * layout.dp))
+    assert plan.num_layers == int(values["--num-layers"]) == sum(map(sum, split))
+    # Heterogeneous wherever the layout leaves room: stages, replicas, ranks.
+    pinned = any(flag in given for flag in PINNING_FLAGS)
+    stages = [s.virtual_stages or [s.num_layers] for s in plan.stages]
+    assert (stages == split) == (layout.pp == 1 or pinned), (stages, split)
+    counts = [r.num_micro_batches for r in plan.replicas]
+    groups = plan.num_micro_batches // (layout.pp if layout.virtual > 1 else 1)  # what can be shared
+    expert_bound = len(plan.expert_replica_blocks()) < plan.data_parallel  # equal within an expert group
+    assert layout.dp == 1 or groups <= layout.dp or expert_bound or len(set(counts)) > 1, counts
+    assert plan.expert_parallel == layout.ep
+    assert plan.world_size == 1 or plan.rank_order != sorted(plan.rank_order)
 
 
-def test_every_recipe_configures_or_is_refused_by_name(tmp_path):
-    """Every recipe, in-process: the refusal (or none) the table records, naming a flag."""
+def test_the_plan_rule_worked_by_hand(tmp_path):
+    """plans.py's rule on three recipes, its numbers worked out by hand."""
+    def plan_of(name):
+        recipe = BY_NAME[name]
+        return plan_for(recipe.flags, scale_down(recipe.flags, tmp_path), layout_of(recipe.flags)).plan
+
+    # PP4, 2 layers a stage: one moved from the first stage to the last; ranks reversed.
+    plan = plan_of("gpt/gpt3_mcore_tp1_pp4")
+    assert [s.num_layers for s in plan.stages] == [1, 2, 2, 3] and plan.rank_order == [3, 2, 1, 0]
+    # EP8 -> DP8, every replica in the one expert-parallel group: 16 micro-batches, 2 each.
+    plan = plan_of("moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer")
+    assert [r.num_micro_batches for r in plan.replicas] == [2] * 8 and plan.expert_parallel == 8
+    # TP1 PP1 -> DP2: 4 micro-batches shared 2:1 = 2.67, 1.33 -> 3, 1.
+    plan = plan_of("gpt/gpt3_mcore_te_tp1_pp1_uniform_full_recompute")
+    assert [r.num_micro_batches for r in plan.replicas] == [3, 1] and plan.rank_order == [1, 0]
+    # TP1 PP2 -> DP2, 4 processes: 2 layers a stage -> 1, 3; 4 micro-batches -> 3, 1.
+    plan = plan_of("gpt/gpt3_mcore_te_tp1_pp2_rope_embeddings")
+    assert [s.num_layers for s in plan.stages] == [1, 3]
+    assert [r.num_micro_batches for r in plan.replicas] == [3, 1] and plan.rank_order == [3, 2, 1, 0]
+    # --account-for-embedding/loss-in-pipeline-split, PP4 x VP2: 14 layers + 2 counted = 2 a
+    # virtual stage, the first and the last one fewer; the recipe's split kept.
+    plan = plan_of("gpt/gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split")
+    assert [s.virtual_stages for s in plan.stages] == [[1, 2], [2, 2], [2, 2], [2, 1]]
+
+
+def test_every_recipe_configures_or_is_refused_by_name_both_ways(tmp_path):
+    """Every recipe, in-process, both ways: the refusal (or none) the table records, naming a flag."""
     changed = []
     for recipe in RECIPES:
-        got = report.configure_outcome(recipe, tmp_path / re.sub(r"\W", "_", recipe.name))
-        recorded = RECORDED[recipe.name]
-        if got is None:
-            if recorded.status == "refused" and recorded.reason.startswith("[launch"):
+        for planned, recorded_way in ((False, "without_plan"), (True, "under_plan")):
+            workdir = tmp_path / re.sub(r"\W", "_", recipe.name) / recorded_way
+            got = report.configure_outcome(recipe, workdir, planned)
+            recorded = getattr(RECORDED[recipe.name], recorded_way)
+            if got is None:
+                assert recorded.status != "failed", f"{recipe.name} {recorded_way}: {recorded.reason[-1500:]}"
+                if recorded.status == "refused":
+                    changed.append(f"{recipe.name} {recorded_way}: now configures (recorded refused)")
                 continue
-            assert recorded.status != "failed", f"{recipe.name}: {recorded.reason[-1500:]}"
-            if recorded.status == "refused":
-                changed.append(f"{recipe.name}: now configures (recorded refused)")
-            continue
-        assert "Traceback" not in got.reason
-        named = report.refused_flags(got.reason)
-        # A flag the recipe gives, or one it lacks (an inference recipe gives no MODEL_ARGS).
-        assert set(named) & {p[0] for p in recipe.flags} or got.reason.startswith("missing --"), (
-            f"{recipe.name}: the refusal names none of the recipe's flags: {got.reason}")
-        if recorded.status != "refused" or recorded.reason != got.reason:
-            changed.append(f"{recipe.name}: refused now with {got.reason!r}, recorded "
-                           f"{recorded.status} {recorded.reason!r}")
-    assert not changed, ("statuses changed; rerun python -m tests.megatron_corpus.report:\n"
+            assert got.status == "refused" and "Traceback" not in got.reason, (recipe.name, got)
+            named = report.refused_flags(got.reason)
+            # A flag the recipe gives, or one it lacks (an inference recipe gives no MODEL_ARGS).
+            assert set(named) & {p[0] for p in recipe.flags} or got.reason.startswith("missing "), (
+                f"{recipe.name} {recorded_way}: the refusal names none of the recipe's flags: {got.reason}")
+            # Compared by what is refused (the flags named), not by the wording.
+            if recorded.status != "refused" or report.refusal_key(recorded.reason) != report.refusal_key(got.reason):
+                changed.append(f"{recipe.name} {recorded_way}: refused now with {got.reason!r}, recorded "
+                               f"{recorded.status} {recorded.reason!r}")
+    assert not changed, ("statuses changed; rerun python -m tests.megatron_corpus.report --only NAME...:\n"
                          + "\n".join(changed))
 
 
 def test_no_recipe_fails_and_the_table_is_up_to_date():
-    failed = {n: o.reason[-800:] for n, o in RECORDED.items() if o.status == "failed"}
+    failed = {f"{n} {w}": getattr(s, w).reason[-800:] for n, s in RECORDED.items() for w in report.WAYS
+              if getattr(s, w).status in ("failed", "not run")}
     assert not failed, failed
     assert report.DOC.read_text() == report.markdown(RECIPES, RECORDED), (
-        "docs/megatron-recipes.md is stale: python -m tests.megatron_corpus.report")
+        "docs/megatron-recipes.md is stale: python -m tests.megatron_corpus.report --table")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", LAUNCHED, ids=lambda r: r.name)
-def test_recipe_trains_at_its_own_layout(recipe, tmp_path):
-    got = report.launch_outcome(recipe, tmp_path)
+@pytest.mark.parametrize("recipe, way", _launched())
+def test_recipe_trains_both_ways(recipe, way, tmp_path):
+    got = report.launch_outcome(recipe, tmp_path, planned=way == "under_plan")
     assert got.status == "trained", got.reason
 
 
@@ -120,3 +183,23 @@ def test_a_gpu_launch_script_starts_on_four_cpu_processes(tmp_path):
     for said in ("--transformer-impl transformer_engine -> local", "--attention-backend fused -> local",
                  "--distributed-backend nccl -> gloo", "--no-gradient-accumulation-fusion"):
         assert said in notes[0]
+
+
+def test_a_gpu_launch_script_runs_under_a_plan_made_from_it(tmp_path):
+    """The same script, planned for a CPU cluster of two speeds FROM its own flags
+    (hetero-plan -- <flags>), then run with one change: --hetero-plan added."""
+    from hetero.cli import main
+    from hetero.plan import Plan
+
+    vocab, merges = tiny_tokenizers.gpt2_bpe_files(tmp_path / "gpt2")
+    script = GPU_SCRIPT + ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+    out = tmp_path / "plan.json"
+    cluster = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu_demo.yaml")
+    assert main(["--cluster", cluster, "-o", str(out), "--quiet", "--", *script]) == 0
+    plan = Plan.load(out)
+    assert (plan.tensor_parallel, plan.pipeline_parallel, plan.micro_batch_size) == (2, 2, 1)
+    env = {"HETERO_DEVICE": ",".join(d.device_type for d in plan.devices),
+           "HETERO_VENDOR": ",".join(d.vendor for d in plan.devices)}
+    result = run_pretrain(script + ["--hetero-plan", str(out)], nproc=4, tmp_path=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(result.losses()) == 2

@@ -1,5 +1,7 @@
 """Model-shape flags of Megatron-LM recipes, trained under a heterogeneous plan."""
 
+import re
+
 import pytest
 
 from conftest import GPT_MODEL, TRAINING, assert_same_training, make_plan, run_pretrain
@@ -24,3 +26,51 @@ def test_shape_flags_train_the_same_under_a_heterogeneous_plan(tmp_path):
     assert plain.returncode == 0, plain.output[-3000:]
     assert plain.losses()[0] == pytest.approx(reference.losses()[0], rel=1e-5)
     assert plain.series("params norm")[0] > reference.series("params norm")[0]
+
+
+def _parameters(result) -> int:
+    found = re.findall(r"number of parameters on \(tensor, pipeline\) model parallel rank \(0, 0\): (\d+)",
+                       result.output)
+    assert found, result.output[-3000:]
+    return int(found[0])
+
+
+# GPT_MODEL's shape: hidden 64, 4 layers, 4 heads, vocabulary 1000 padded to 1024, 32 positions.
+HIDDEN, LAYERS, HEADS, VOCAB, POSITIONS = 64, 4, 4, 1024, 32
+NORM = 2 * HIDDEN                       # LayerNorm: scale and bias
+ATTENTION = NORM + HIDDEN * 3 * HIDDEN + HIDDEN * HIDDEN   # norm, QKV, projection (no biases)
+EMBEDDINGS = VOCAB * HIDDEN + POSITIONS * HIDDEN + NORM     # tied output layer; final norm
+
+
+def test_transformer_config_fields_take_effect():
+    """Flags whose whole effect is a TransformerConfig field change the model megatron-core
+    builds, as in Megatron-LM: each term below is one flag's parameters."""
+    flags = ["--disable-bias-linear", "--add-qkv-bias", "--attention-output-gate", "--quick-geglu",
+             "--softmax-type", "learnable", "--train-iters", "1", "--eval-iters", "0"]
+    result = run_pretrain(GPT_MODEL + TRAINING + flags)
+    assert result.returncode == 0, result.output[-3000:]
+    gate = HIDDEN * HIDDEN                      # --attention-output-gate: QKV also projects a gate
+    qkv_bias = 3 * HIDDEN + HIDDEN              # --add-qkv-bias (gate included)
+    geglu = 2 * HIDDEN * 4 * HIDDEN + 4 * HIDDEN * HIDDEN   # --quick-geglu: fc1 doubled for the GLU
+    softmax_offsets = HEADS                     # --softmax-type learnable: one offset per head
+    layer = ATTENTION + gate + qkv_bias + softmax_offsets + NORM + geglu
+    assert _parameters(result) == EMBEDDINGS + LAYERS * layer
+    # A sliding window (--window-size) changes what attention sees, hence the first loss.
+    windowed = run_pretrain(GPT_MODEL + TRAINING + flags + ["--window-size", "4,0"])
+    assert windowed.returncode == 0, windowed.output[-3000:]
+    assert windowed.losses()[0] != pytest.approx(result.losses()[0], rel=1e-6)
+
+
+def test_multi_token_prediction_layers_are_built_and_trained():
+    """--mtp-num-layers adds megatron-core's MTP block (two norms, the 2h->h projection, one
+    decoder layer, a final norm) and its loss to the gradients."""
+    flags = ["--disable-bias-linear", "--train-iters", "2", "--eval-iters", "0"]
+    plain = run_pretrain(GPT_MODEL + TRAINING + flags)
+    mtp = run_pretrain(GPT_MODEL + TRAINING + flags + ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"])
+    assert plain.returncode == 0 and mtp.returncode == 0, (plain.output + mtp.output)[-3000:]
+    layer = ATTENTION + NORM + 2 * HIDDEN * 4 * HIDDEN
+    assert _parameters(plain) == EMBEDDINGS + LAYERS * layer
+    assert _parameters(mtp) == _parameters(plain) + 2 * NORM + 2 * HIDDEN * HIDDEN + layer + NORM
+    # Same first forward (the lm loss), different gradients from the MTP loss.
+    assert mtp.losses()[0] == pytest.approx(plain.losses()[0], rel=1e-6)
+    assert mtp.losses()[1] != pytest.approx(plain.losses()[1], rel=1e-6)

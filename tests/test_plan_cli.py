@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import GPT_MODEL, TRAINING, assert_same_training, run_pretrain
 from hetero.cli import main
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
+from hetero.spec.launch_script import pretrain_flags_of_script
 from hetero.spec.model import load_model
 from hetero.predict.costs import TrainingSetup
 from hetero.plan import Plan
@@ -98,22 +100,101 @@ def test_bad_model_and_missing_profiles(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_plan_it_writes_trains_the_same_model(tmp_path, gpt_reference):
-    # The test model of the parity suite, planned for the CPU demo cluster.
-    (tmp_path / "model.yaml").write_text(
-        "num_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\nvocab_size: 1024\n"
-        "max_position_embeddings: 32\n")
+def test_the_plan_of_a_launch_script_trains_the_same_model(tmp_path, gpt_reference):
+    # The parity suite's test model and training, as a launch script; planned for the CPU
+    # demo cluster from the script, then run with the flags the script passes.
+    flags = GPT_MODEL + TRAINING + ["--use-distributed-optimizer"]
+    script = tmp_path / "train.sh"
+    script.write_text(f"MODEL_ARGS=({shlex.join(GPT_MODEL)})\nTRAINING_ARGS=(\n  {shlex.join(TRAINING)}\n)\n"
+                      'torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" \\\n'
+                      '    "${TRAINING_ARGS[@]}" --use-distributed-optimizer "$@"\n')
+    assert pretrain_flags_of_script(script) == flags
     out = tmp_path / "plan.json"
-    assert main(["--cluster", CPU_CLUSTER, "--model", str(tmp_path / "model.yaml"),
-                 "--global-batch-size", "16", "--seq-length", "32", "--micro-batch-size", "2",
-                 "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "-o", str(out), "--quiet"]) == 0
+    assert main(["--cluster", CPU_CLUSTER, "--megatron-script", str(script), "--no-fused-kernels", "-o", str(out),
+                 "--quiet"]) == 0
     plan = Plan.load(out)
+    assert (plan.micro_batch_size, plan.global_batch_size, plan.training.precision) == (2, 16, "fp32")
     env = {"HETERO_DEVICE": ",".join(d.device_type for d in plan.devices),
            "HETERO_VENDOR": ",".join(d.vendor for d in plan.devices)}
-    result = run_pretrain(GPT_MODEL + TRAINING + ["--hetero-plan", str(out)], nproc=plan.world_size, env=env)
+    result = run_pretrain(flags + ["--hetero-plan", str(out)], nproc=plan.world_size, env=env)
     assert_same_training(gpt_reference, result)
-    # The plan chose the distributed optimizer; the run took it from the plan.
     assert re.search(r"use_distributed_optimizer \.+ True", result.stdout)
+
+
+MEGATRON_FLAGS = GPT_MODEL + ["--global-batch-size", "16", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+                              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1100"]
+
+
+@pytest.mark.parametrize("own,flags,layout", [
+    ([], ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1"], (2, 1, 1280)),
+    # planned at TP 1 and 2: the padding of both degrees first, then again at the chosen one
+    (["--tensor-parallel", "1,2", "--micro-batch-size", "2"], [], (1, 2, 1152)),
+])
+def test_a_plan_from_megatron_flags_is_what_the_run_accepts(own, flags, layout, tmp_path, monkeypatch):
+    from megatron.hetero.startup import build_tokenizer, configure
+
+    out = tmp_path / "plan.json"
+    assert main(["--cluster", CPU_CLUSTER, "-o", str(out), "--quiet", "--skip-baseline", "--skip-upper-bound",
+                 *own, "--", *MEGATRON_FLAGS, *flags]) == 0
+    plan = Plan.load(out)
+    assert (plan.tensor_parallel, plan.micro_batch_size, plan.model.vocab_size) == layout
+    # pretrain_gpt.py's own start-up checks, with the flags the plan was made from
+    monkeypatch.setenv("HETERO_DEVICE", plan.devices[0].device_type)
+    configured = configure([*MEGATRON_FLAGS, *flags, "--hetero-plan", str(out)], plan.world_size)
+    build_tokenizer(configured.args, configured.plan)
+    assert configured.args.padded_vocab_size == layout[2]
+
+
+def test_profiles_taken_at_another_padding_of_the_flags_vocabulary_are_used(tmp_path):
+    """The profiler pads the vocabulary for the degrees it measured (TP 1: 1152), the run for
+    the plan's (TP 2: 1280): the same model, so its profiles stand."""
+    from hetero.spec.megatron_args import job_of_flags
+    from hetero.spec.profiles import model_shape
+
+    flags = MEGATRON_FLAGS + ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1"]
+    profiled = job_of_flags(flags).model_for((1,))
+    for device in ("cpu-fast", "cpu-slow"):
+        (tmp_path / f"{device}.json").write_text(json.dumps({
+            "kind": "compute", "device_type": device, "precision": "fp32", "model": model_shape(profiled),
+            "entries": [{"tensor_parallel": 2, "micro_batch_size": 1, "layer_forward_s": 0.01,
+                         "layer_backward_s": 0.02}]}))
+    out = tmp_path / "plan.json"
+    argv = ["--cluster", CPU_CLUSTER, "-o", str(out), "--quiet", "--skip-baseline", "--skip-upper-bound",
+            "--profiles", str(tmp_path), "--", *flags]
+    assert main(argv) == 0
+    plan = Plan.load(out)
+    assert (profiled.vocab_size, plan.model.vocab_size) == (1152, 1280)
+    # as profiled: 4 layers of 0.03 s per micro-batch, 16 micro-batches over two replicas, so at
+    # least 8 x 0.12 s; these devices' stated speeds (the roofline) predict 0.09 s
+    assert plan.prediction.iteration_time_s >= 8 * 4 * 0.03
+    other = MEGATRON_FLAGS[:-1] + ["1300", "--tensor-model-parallel-size", "2"]  # another tokenizer
+    assert main(argv[:-len(flags)] + other) == 2
+
+
+@pytest.mark.parametrize("own,flags,fragment", [
+    (["--model", "llama2-7b"], MEGATRON_FLAGS, "give the model once"),
+    (["--precision", "bf16", "--no-dropout"], MEGATRON_FLAGS, "--precision (--bf16 / --fp16), --no-dropout"),
+    (["--micro-batch-size", "4"], MEGATRON_FLAGS + ["--micro-batch-size", "2"],
+     "--micro-batch-size 4 contradicts the flags' --micro-batch-size 2"),
+    (["--global-batch-size", "32"], MEGATRON_FLAGS, "--global-batch-size 32 contradicts the flags'"),
+    ([], [f for f in MEGATRON_FLAGS if f not in ("--global-batch-size", "16")], "leave out --global-batch-size"),
+    ([], MEGATRON_FLAGS + ["--num-layer", "4"], "--num-layer (did you mean --num-layers?)"),
+    ([], [], "no model: give --model"),
+])
+def test_flags_and_hetero_plans_own_options_must_agree(own, flags, fragment, capsys):
+    argv = ["--cluster", CPU_CLUSTER, "-o", "unused.json", "--quiet", "--skip-baseline", "--skip-upper-bound", *own]
+    assert main([*argv, "--", *flags] if flags else argv) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_a_pipeline_depth_the_flags_fix_is_the_plans(tmp_path):
+    """The search keeps to the flags' --pipeline-model-parallel-size (the run would refuse
+    another depth), even where it would rather choose another."""
+    out = tmp_path / "plan.json"
+    for depth in (1, 3):
+        assert main(["--cluster", CPU_CLUSTER, "-o", str(out), "--quiet", "--skip-upper-bound", "--",
+                     *MEGATRON_FLAGS, "--pipeline-model-parallel-size", str(depth)]) == 0
+        assert Plan.load(out).pipeline_parallel == depth
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path):

@@ -69,8 +69,8 @@ REFUSED: dict[str, frozenset[str]] = {
     **{f"training.{name}": DEFAULTED for name in ("distributed_optimizer", "fused_kernels", "dropout",
                                                   "recompute", "sequence_parallel", "virtual_stages",
                                                   "overlap_grad_reduce", "overlap_param_gather",
-                                                  "scatter_stage_transfers")},
-    "training.grad_reduce_dtype": OPTIONAL, "training.precision_reason": TEXT,
+                                                  "scatter_stage_transfers", "tp_comm_overlap")},
+    "training.grad_reduce_dtype": OPTIONAL, "training.fused_softmax": OPTIONAL, "training.precision_reason": TEXT,
     # cluster (hetero.spec.cluster's own bounds: no upper one on bandwidths)
     "cluster.name": ALL - {"string", "empty string"},
     "cluster.groups": ALL, "cluster.groups.0.nodes": ALL, "cluster.groups.0.nodes.0.count": ALL,

@@ -1,5 +1,6 @@
 """The planner on cases whose optimum is known by reasoning."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from hetero.predict.schedule import PipelineShape
 from hetero.search.estimate import allocate_micro_batches, split_layers
 from hetero.search.options import PlannerOptions
 from hetero.search.planner import Planner
+from hetero.search.class_orders import stage_patterns
+from hetero.predict.costs import TrainingSetup
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 FAST_SLOW = {
@@ -56,14 +59,21 @@ def test_twice_as_fast_devices_get_twice_the_layers():
 
 
 def test_twice_as_fast_replicas_get_twice_the_micro_batches():
-    # The model fits on one device: no pipeline, one replica per device, work by speed.
+    # The model fits on one device: no pipeline, one replica per device, work by speed. The
+    # arithmetic runs twice as fast on "fast"; the kernel gaps between a layer's kernels do
+    # not, so a micro-batch takes a little more than half as long: its micro-batches go by that.
     model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=1024)
-    plan = Planner(_two_kinds(4), model, 192, PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1,))).plan().plan
+    result = Planner(_two_kinds(4), model, 192, PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1,))).plan()
+    plan = result.plan
     assert plan.pipeline_parallel == 1 and plan.data_parallel == 8
-    per_type = {}
+    per_type, micro_batch_s = {}, {}
     for d, replica in enumerate(plan.replicas):
         per_type.setdefault(plan.device_of_logical(d).device_type, []).append(replica.num_micro_batches)
-    assert sum(per_type["fast"]) == pytest.approx(2 * sum(per_type["slow"]), abs=4)
+    for report in result.prediction.reports:
+        micro_batch_s[report.slot.device_type] = report.timing.forward_s + report.timing.backward_s
+    speed_up = micro_batch_s["slow"] / micro_batch_s["fast"]
+    assert 1.5 < speed_up < 2.0
+    assert sum(per_type["fast"]) == pytest.approx(speed_up * sum(per_type["slow"]), abs=4)
 
 
 def test_holmes_like_keeps_data_parallel_inside_fabrics():
@@ -154,3 +164,30 @@ def test_small_memory_devices_shard_wider_than_large_ones(untied):
         degree.setdefault(device, set()).add(tp)
     assert min(degree["small"]) > max(degree["big"])
     assert mixed.prediction.iteration_time_s < one.prediction.iteration_time_s * 0.98
+
+
+def test_class_orders_include_sandwiches():
+    # Two classes, two stages of class 0 and three of class 1: the contiguous orders, and the
+    # wider-degree class halved around the other (the odd stage last).
+    counts = {0: 2, 1: 3}
+    assert stage_patterns([(0, 1), (1, 0)], counts, {0: 4, 1: 1}) == [(0, 0, 1, 1, 1), (1, 1, 1, 0, 0), (0, 1, 1, 1, 0)]
+    assert stage_patterns([(0, 1), (1, 0)], counts, {0: 1, 1: 4}) == [(0, 0, 1, 1, 1), (1, 1, 1, 0, 0), (1, 0, 0, 1, 1)]
+    assert stage_patterns([(0, 1), (1, 0)], counts, {0: 2, 1: 2}) == [(0, 0, 1, 1, 1), (1, 1, 1, 0, 0)]  # one degree
+    assert stage_patterns([(0, 1), (1, 0)], {0: 1, 1: 1}, {0: 1, 1: 4}) == [(0, 1), (1, 0)]  # nothing to split
+
+
+def test_sailor_like_search_judges_sandwiches_and_plans_a_degree_per_stage():
+    # A100-40GB and V100-16GB at 1:3, GPT-Neo-2.7B: the cost model rates A100 stages at TP1
+    # and V100 stages at TP2 above every single degree, and the planner writes that plan.
+    cluster = Cluster.load(CLUSTERS / "sailor_like_128.yaml")
+    model = PRESETS["gpt-neo-2.7b"].with_seq_length(2048)
+    options = PlannerOptions(setup=TrainingSetup(precision="fp16"), micro_batch_sizes=(1, 2))
+    planner = Planner(cluster, model, 512, options)
+    found = planner.candidates()
+    sandwiches = [c for c in found if c.replica_classes[0][0] == c.replica_classes[0][-1]
+                  and len(set(c.replica_classes[0])) > 1]
+    assert any(len(set(c.stage_degrees())) > 1 for c in sandwiches)
+    one = Planner(cluster, model, 512, dataclasses.replace(options, per_stage_tensor_parallel=False)).plan()
+    mixed = planner.plan()
+    assert mixed.plan.per_stage_tensor_parallel and mixed.prediction.fits
+    assert mixed.prediction.iteration_time_s < one.prediction.iteration_time_s

@@ -1,8 +1,11 @@
 """Real Megatron-LM recipes (tests/recipes/*.args) run unchanged but for one scale-down rule
-(tests/recipes/README.md), with 4 processes under a heterogeneous plan."""
+(tests/recipes/README.md), with 4 processes under a heterogeneous plan. Their GPU-only
+choices stay as written: the runtime's one CPU rule runs them as their CPU equivalents
+(said in one start-up note) or refuses them by name, as for Megatron-LM's whole corpus."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -10,7 +13,12 @@ import pytest
 
 import tiny_tokenizers
 from conftest import make_plan, run_pretrain
+from hetero.errors import HeteroError
+from hetero.events import Iteration, of_kind
+from megatron.hetero import startup
 from megatron.hetero.arguments import build_parser
+from megatron.hetero.flags.parsing import defined_options
+from megatron.hetero.flags.rules import rulings
 
 RECIPES = Path(__file__).parent / "recipes"
 
@@ -27,15 +35,8 @@ LENGTH = {
 }
 PARALLEL_DEGREES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                     "--expert-model-parallel-size", "--context-parallel-size")
-GPU_ONLY = {("--transformer-impl", "transformer_engine"): ["--transformer-impl", "local"],
-            ("--distributed-backend", "nccl"): ["--distributed-backend", "gloo"],
-            ("--bf16", None): [], ("--fp16", None): [], ("--grad-reduce-in-bf16", None): [],
-            ("--moe-grouped-gemm", None): [],
-            **{("--attention-backend", te): ["--attention-backend", "local"]
-               for te in ("flash", "fused", "unfused")}}
-GPU_ONLY_PREFIXES = ("--fp8-",)  # FP8 needs transformer-engine on Hopper-class GPUs
 # Megatron's nsys/torch profiler hooks and its CI harness's test mode: refused by name for a
-# user; the scale-down removes them.
+# user; the scale-down removes them (they belong to the harness, not to the recipe).
 HARNESS_FLAGS = ("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
                  "--use-pytorch-profiler", "--test-mode")
 PLAN = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1])
@@ -60,11 +61,9 @@ def scale_down(path: Path, workdir: Path) -> list[str]:
              "--tensorboard-dir": workdir / "tb", "--data-cache-path": workdir / "cache"}
     out: list[str] = []
     for flag, value in flags:
-        if flag in HARNESS_FLAGS or flag in PARALLEL_DEGREES or flag.startswith(GPU_ONLY_PREFIXES):
+        if flag in HARNESS_FLAGS or flag in PARALLEL_DEGREES:
             continue
-        if (flag, value) in GPU_ONLY:
-            out += GPU_ONLY[(flag, value)]
-        elif flag == "--data-path":
+        if flag == "--data-path":
             out.append("--mock-data")
         elif flag in files:
             out += [flag, files[flag]]
@@ -95,15 +94,39 @@ def test_every_recipe_names_its_megatron_source():
     assert len(sources) == len(RECIPE_FILES)
 
 
-# Each recipe at its own layout without a plan is tests/test_megatron_corpus.py's (configured
-# always, trained in a sample); here they run under a heterogeneous plan of 4 processes.
+# Each recipe at its own layout, without a plan and under a plan made from its flags, is
+# tests/test_megatron_corpus.py's; here they run under one heterogeneous plan of 4 processes.
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.stem)
 def test_recipe_runs_under_a_heterogeneous_plan(recipe, tmp_path):
     args = scale_down(recipe, tmp_path)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(PLAN))
+    try:  # in-process first: where every refusal is decided, before a process starts
+        configured = startup.configure([*args, "--hetero-plan", str(plan_path)], 4)
+    except HeteroError as err:
+        # Refused by name: flags of the recipe's that the flag catalog refuses on any
+        # device, so the refusal holds on a GPU too.
+        table = rulings(defined_options(build_parser()))
+        status = {o: r.status for r in table.values() for o in r.flag.option_strings}
+        named = re.findall(r"^\s*(--[a-z0-9-]+):", str(err), re.MULTILINE)  # one line a flag
+        given = {flag for flag, _ in read_recipe(recipe)}
+        assert named and set(named) <= given, str(err)
+        assert all(status.get(flag) == "refused" for flag in named), str(err)
+        return
     result = run_pretrain(args, nproc=4, plan=PLAN, tmp_path=tmp_path, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
-    losses = result.losses()  # Megatron's iteration lines, 1..3 in order
-    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    iterations = of_kind(result.events, Iteration)  # Megatron's iteration lines, 1..3 in order
+    assert [e.iteration for e in iterations] == [1, 2, 3], result.output[-3000:]
+    # An --fp16 run skips its first steps while the loss scale comes down from 2^32 (all 3
+    # here): no loss is logged there.
+    losses = [e.losses["lm loss"] for e in iterations if "lm loss" in e.losses]
+    assert all(0 < loss < 10 for loss in losses), result.output[-3000:]
+    assert "--fp16" in args or len(losses) == 3
     if "--num-experts" in args:
         assert len(result.series("load_balancing_loss")) == 3
+    # The GPU-only choices ran as their CPU equivalents, said once at start-up.
+    notes = [line for line in result.output.splitlines() if "GPU-only choices run as" in line]
+    assert len(notes) == (1 if configured.args.cpu_substitutions else 0), notes
+    for phrase in configured.args.cpu_substitutions:
+        assert phrase in notes[0]

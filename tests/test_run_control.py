@@ -53,15 +53,6 @@ def test_async_save_needs_the_persistent_worker_as_in_megatron():
     assert any("Disabling --async-save" in note for note in args.startup_notes)
 
 
-def test_legacy_checkpoint_format_is_named(tmp_path):
-    from megatron.hetero.checkpointing import _check_format
-
-    (tmp_path / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
-    args = parse_args(GPT_MODEL + TRAINING + ["--auto-detect-ckpt-format"])
-    with pytest.raises(HeteroError, match="legacy torch format"):
-        _check_format(str(tmp_path), args)
-
-
 @pytest.mark.parametrize("extra, fragment", [
     (["--manual-gc-interval", "-1"], "--manual-gc-interval must be at least 0"),
     (["--squared-relu", "--swiglu"], "pick one"),

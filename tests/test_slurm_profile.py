@@ -248,9 +248,10 @@ def test_profiles_every_device_class_and_the_links_then_plans_with_them(slurm, s
     h100 = profiles.compute_profile("H100-80GB", model, "fp32").entries[0]
     assert costs.layer_times("H100-80GB", 1, 1) == (h100.layer_forward_s, h100.layer_backward_s)
     assert costs.route("node0", "node1").bandwidth == profiles.link("node0", "node1").bandwidth_gbs * 1e9
-    # The emulated devices are CPU cores: far slower than the catalog's H100 and A100.
+    # The emulated devices are CPU cores: far slower than the catalog's H100 and A100 (whose
+    # prediction of so tiny a model is mostly the per-kernel gaps of fixed_costs.py).
     catalog = _plan(slurm, spec, tmp_path)
-    assert plan["prediction"]["iteration_time_s"] > 10 * catalog["prediction"]["iteration_time_s"]
+    assert plan["prediction"]["iteration_time_s"] > 2 * catalog["prediction"]["iteration_time_s"]
     _assert_jobs_and_ranks_gone(slurm)
     print(f"\n  hetero-plan profile --slurm (2 device types, 3 nodes): {took:.1f} s")
 

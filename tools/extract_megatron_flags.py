@@ -6,7 +6,7 @@ interface only (names, defaults, value kinds, group titles), never help texts or
 
     git -C /work/.mirror/NVIDIA+Megatron-LM/repo archive core_v0.16.1 | tar -x -C /tmp/mlm
     python tools/extract_megatron_flags.py /tmp/mlm --tag core_v0.16.1 \\
-        > megatron/hetero/flags/megatron_lm_flags.json
+        > hetero/spec/megatron_lm_flags.json
 
 ``megatron.core`` is the installed megatron-core (same release as the tag); only
 ``megatron.training`` and ``megatron.post_training`` come from the checkout. pretrain_gpt.py

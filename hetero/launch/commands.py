@@ -2,6 +2,7 @@
 
     python -m hetero.launch plan.json -- --num-layers 32 ...      # print every node's command
     python -m hetero.launch plan.json --node-rank 1 --run -- ...  # run node 1's command here
+                                                                  # (torchrun without its traceback)
     python -m hetero.launch --slurm plan.json --submit -- ...     # a Slurm batch job (slurm/)
 
 torchrun numbers ranks node by node, so launch ranks of one host are consecutive (the
@@ -127,7 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if options.run:
         command = commands[0]
-        os.execvpe(command.argv[0], command.argv, {**os.environ, **command.env})
+        # torchrun's own launch without its traceback after a failed worker (the workers'
+        # messages say what was wrong): megatron/hetero/launcher.py, run, not imported here.
+        argv = [sys.executable, "-m", "megatron.hetero.launcher", *command.argv[1:]]
+        os.execve(argv[0], argv, {**os.environ, **command.env})
     for command in commands:
         ranks = command.launch_ranks
         print(f"# node {command.node_rank}: {command.host}, launch ranks {ranks[0]}-{ranks[-1]}")

@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass, fields
 
 from hetero.spec.cluster import Cluster, Route
 from hetero.predict.efficiency import MEMORY_EFFICIENCY, curve_for
+from hetero.predict.tensor_parallel_overlap import exposed_tp_comm_s
+from hetero.predict.fixed_costs import (end_kernel_gaps_s, iteration_fixed_s, layer_kernel_gaps_s,
+                                        moe_kernel_gaps_s, unfused_attention_bytes)
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.spec.profiles import Profiles
@@ -64,6 +67,15 @@ class TrainingSetup:
     scatter_stage_transfers: bool = False
     """Each tensor-parallel rank sends 1/TP of the activation to the next stage and the
     receiver all-gathers (sequence parallelism implies it)."""
+    fused_softmax: bool | None = None
+    """Without flash attention: whether the scores go through a fused scale-mask-softmax
+    kernel (apex's; Megatron-LM's own compiled one in its 2021 releases) or megatron-core's
+    torch fallback, several passes over the score matrix (hetero/predict/fixed_costs.py).
+    None: as fused_kernels."""
+    tp_comm_overlap: bool = False
+    """--tp-comm-overlap (transformer-engine's userbuffers): each layer's tensor-parallel
+    all-gathers and reduce-scatters run in chunks under the GEMMs next to them
+    (tensor_parallel_overlap.py)."""
 
     def __post_init__(self) -> None:
         if self.precision not in BYTES_PER_VALUE:
@@ -113,13 +125,39 @@ class LayerCost:
 
 class CostModel:
     def __init__(self, cluster: Cluster, model: ModelSpec, setup: TrainingSetup,
-                 profiles: Profiles | None = None):
+                 profiles: Profiles | None = None, expert_parallel: int = 1,
+                 expert_tensor_parallel: int | None = None):
         self.cluster, self.model, self.setup = cluster, model, setup
         self.precision = setup  # value_bytes, grad_bytes
         self.profiles = profiles or Profiles()
+        # The plan's expert grid (Plan.expert_parallel / expert_tensor_parallel; None: each
+        # stage's tensor-parallel degree). Costs that depend on it live on a sibling model
+        # per grid (with_experts), so every cache below stays keyed as before.
+        self.expert_parallel, self.expert_tensor_parallel = expert_parallel, expert_tensor_parallel
         self._cache: dict[tuple, object] = {}
         self._allreduce_cache: dict[tuple, tuple[float, float]] = {}
         self._route_cache: dict[tuple, Route] = {}
+        self._siblings: dict[tuple[int, int | None], CostModel] = {(expert_parallel, expert_tensor_parallel): self}
+
+    def with_experts(self, expert_parallel: int, expert_tensor_parallel: int | None = None) -> "CostModel":
+        """This cost model for a plan with this expert grid (the same model when it is ours)."""
+        key = (expert_parallel, expert_tensor_parallel)
+        if key not in self._siblings:
+            sibling = CostModel(self.cluster, self.model, self.setup, self.profiles,
+                                expert_parallel, expert_tensor_parallel)
+            sibling._siblings = self._siblings
+            sibling._route_cache, sibling._allreduce_cache = self._route_cache, self._allreduce_cache
+            self._siblings[key] = sibling
+        return self._siblings[key]
+
+    def expert_tensor_parallel_at(self, tensor_parallel: int) -> int:
+        """The expert tensor-parallel degree of a stage of this tensor-parallel degree."""
+        return self.expert_tensor_parallel or tensor_parallel
+
+    def expert_data_parallel_at(self, tensor_parallel: int, data_parallel: int) -> int:
+        """Copies of each expert shard in a stage (its TP x DP ranks over EP x ETP)."""
+        return max(1, tensor_parallel * data_parallel
+                   // (self.expert_parallel * self.expert_tensor_parallel_at(tensor_parallel)))
 
     def _memo(self, key: tuple, compute):
         if key not in self._cache:
@@ -159,23 +197,60 @@ class CostModel:
         h = m.hidden_size
         q = m.num_attention_heads * m.head_dim
         kv = m.query_groups * m.head_dim
-        gemms = self._gemm_s(device_name, tokens, (q + 2 * kv) / t, h) + self._gemm_s(device_name, tokens, h, q / t)
-        if m.is_moe:  # each expert sees its share of the routed tokens
-            ffn, experts = m.moe_ffn_hidden_size, m.num_experts
-            routed = tokens * m.moe_router_topk / experts
-            up = ffn * (2 if m.swiglu else 1) / t
-            gemms += self._gemm_s(device_name, routed, up, h, experts) + self._gemm_s(device_name, routed, h, ffn / t, experts)
-            gemms += self._gemm_s(device_name, tokens, experts, h)
-            mlp_width = ffn * m.moe_router_topk
+        if m.multi_latent_attention:  # its projections as one GEMM of the same work
+            gemms = self._gemm_s(device_name, tokens, m.attention_gemm_flops_per_token() / (2 * h) / t, h)
         else:
-            up = m.ffn * (2 if m.swiglu else 1) / t
-            gemms += self._gemm_s(device_name, tokens, up, h) + self._gemm_s(device_name, tokens, h, m.ffn / t)
-            mlp_width = m.ffn
+            gemms = self._gemm_s(device_name, tokens, (q + 2 * kv) / t, h) + self._gemm_s(device_name, tokens, h, q / t)
+
+        def dense_mlp(ffn: int) -> float:
+            up = ffn * (2 if m.swiglu else 1) / t
+            return self._gemm_s(device_name, tokens, up, h) + self._gemm_s(device_name, tokens, h, ffn / t) if ffn else 0.0
+
+        dense = dense_mlp(m.ffn)
+        mlp_width = m.ffn
+        if m.is_moe:
+            # The stage's TP x DP ranks share the routed work evenly: each rank holds E/EP
+            # experts split ETP ways and computes 1/t of its replica's token-expert pairs, so
+            # an expert's GEMMs have tokens * topk * EP * ETP / (E * t) rows.
+            ffn, experts = m.moe_ffn_hidden_size, m.num_experts
+            ep, etp = self.expert_parallel, self.expert_tensor_parallel_at(t)
+            routed = tokens * m.moe_router_topk * ep * etp / (experts * t)
+            up = ffn * (2 if m.swiglu else 1) / etp
+            moe = (self._gemm_s(device_name, routed, up, h, experts / ep)
+                   + self._gemm_s(device_name, routed, h, ffn / etp, experts / ep)
+                   + self._gemm_s(device_name, tokens, experts, h) + dense_mlp(m.shared_expert_ffn))
+            share = m.moe_layer_fraction
+            gemms += share * moe + (1 - share) * dense
+            mlp_width = share * (ffn * m.moe_router_topk + m.shared_expert_ffn) + (1 - share) * m.ffn
+        else:
+            gemms += dense
         sequence_split = t if self.setup.sequence_parallel else 1
         # Norms (read, write) x2, bias-dropout-add (read 2, write 1, mask) x2 over the
         # hidden width; the MLP activation (read, write) over the FFN width.
         elementwise = tokens * v * (10 * h / sequence_split + 2 * mlp_width / t)
+        if m.is_moe:
+            # Token permutation on a rank's 1/t of the tokens: the top-k copies written and
+            # read again for the all-to-all, sorted by local expert (read, write) on arrival,
+            # and the way back (sort, unpermute with the probabilities into one token).
+            elementwise += m.moe_layer_fraction * tokens / t * v * h * (2 + 4 * m.moe_router_topk)
         return gemms + self._attention_core_s(device_name, t, micro_batch_size) + self._memory_s(device_name, elementwise)
+
+    def _layer_overheads_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
+        """(forward, backward) of one layer beyond its arithmetic and bytes: kernel gaps and
+        the unfused attention's passes over the scores (hetero/predict/fixed_costs.py)."""
+        m, setup = self.model, self.setup
+        forward, backward = layer_kernel_gaps_s(setup.fused_kernels)
+        if m.is_moe:
+            moe = moe_kernel_gaps_s(m.num_experts / self.expert_parallel)
+            forward += m.moe_layer_fraction * moe[0]
+            backward += m.moe_layer_fraction * moe[1]
+        fused_softmax = setup.fused_kernels if setup.fused_softmax is None else setup.fused_softmax
+        if not fused_softmax and not setup.fused_kernels:  # flash attention has no score matrix
+            scores = micro_batch_size * m.num_attention_heads / tensor_parallel * m.seq_length ** 2
+            extra = unfused_attention_bytes(scores, setup.value_bytes)
+            forward += self._memory_s(device_name, extra[0])
+            backward += self._memory_s(device_name, extra[1])
+        return forward, backward
 
     def _compute_profile(self, device_name: str):
         return self.profiles.compute_profile(device_name, self.model, self.setup.precision)
@@ -194,7 +269,8 @@ class CostModel:
                 entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
                 return entry.layer_forward_s * scale, entry.layer_backward_s * scale
             forward = self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
-            return forward, 2 * forward
+            extra_forward, extra_backward = self._layer_overheads_s(device_name, tensor_parallel, micro_batch_size)
+            return forward + extra_forward, 2 * forward + extra_backward
         return self._memo(("compute", device_name, tensor_parallel, micro_batch_size), compute)
 
     def micro_batch_cv(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
@@ -229,10 +305,21 @@ class CostModel:
 
         def compute() -> LayerCost:
             forward, backward = self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute)
+            # Token dispatch and combine, forward and backward (and the recomputed forward),
+            # with the expert-parallel group inside this node (the predictor adds the rest
+            # when a group spans nodes).
+            exchange = self.expert_exchange_s((host,) * self.expert_parallel, tensor_parallel, micro_batch_size)
+            forward += exchange
+            backward += exchange * (2 if recompute == "full" else 1)
             allreduce = self.tp_allreduce(host, tensor_parallel, self.activation_bytes(micro_batch_size))
             if self._profiled_at(device_name, tensor_parallel):
                 allreduce = 0.0  # measured with its tensor-parallel group: the all-reduces are in it
             recomputed = 2 if recompute == "full" else 0
+            if self.setup.tp_comm_overlap:  # hidden under the GEMMs beside them
+                gemms = self.layer_compute(device_name, tensor_parallel, micro_batch_size)[0]
+                exposed = exposed_tp_comm_s(allreduce, gemms, tensor_parallel)
+                return LayerCost(forward + exposed, backward + exposed_tp_comm_s(allreduce, 2 * gemms, tensor_parallel)
+                                 + recomputed / 2 * exposed)
             return LayerCost(forward + 2 * allreduce, backward + (2 + recomputed) * allreduce)
         return self._memo(("layer", device_name, host, tensor_parallel, micro_batch_size, recompute), compute)
 
@@ -272,7 +359,8 @@ class CostModel:
             logits = self._gemm_s(device_name, tokens, vocab, m.hidden_size) + self._memory_s(
                 device_name, tokens * vocab * (v + 4) * 2)  # logits to fp32, softmax, loss
             forward, backward = forward + logits, backward + 2 * logits
-        return forward, backward
+        gaps = end_kernel_gaps_s(first, last)
+        return forward + gaps[0], backward + gaps[1]
 
     def layer_activation_bytes(self, tensor_parallel: int, micro_batch_size: int,
                                recompute: str | None = None) -> float:
@@ -300,7 +388,8 @@ class CostModel:
         profile = self._compute_profile(device_name)
         if profile is not None and profile.optimizer_step_s_per_param is not None:
             return params * profile.optimizer_step_s_per_param
-        return self._memory_s(device_name, params * ADAM_BYTES_PER_PARAM)
+        layers = params / max(1, self.model.layer_params())
+        return self._memory_s(device_name, params * ADAM_BYTES_PER_PARAM) + iteration_fixed_s(layers)
 
     # ----- data-parallel gradient synchronisation ---------------------------------------
 
@@ -372,6 +461,36 @@ class CostModel:
         if self.setup.sequence_parallel:
             return whole / min(sender_tensor_parallel, receiver_tensor_parallel)
         return whole * -(-receiver_tensor_parallel // sender_tensor_parallel)
+
+    def expert_exchange_s(self, hosts: tuple[str, ...], tensor_parallel: int, micro_batch_size: int) -> float:
+        """One micro-batch's token dispatch plus combine (two all-to-alls) in one direction
+        (forward or backward), averaged over the layers (dense layers exchange nothing), for
+        an expert-parallel group whose members sit on `hosts` (one entry per member).
+
+        Each rank sends its 1/t of the tokens (megatron-core requires sequence parallelism
+        with TP and EP), each to top-k experts: topk * s * b * h / t values, of which the
+        share bound for other members leaves; what leaves the node shares its NIC with the
+        node's other members."""
+        ep, model = len(hosts), self.model
+        if ep <= 1 or not model.is_moe:
+            return 0.0
+        sent = (model.seq_length * micro_batch_size * model.hidden_size * self.setup.value_bytes
+                * model.moe_router_topk / tensor_parallel)
+        per_host: dict[str, int] = {}
+        for host in hosts:
+            per_host[host] = per_host.get(host, 0) + 1
+        slowest = 0.0
+        for host, members in per_host.items():
+            local = self.route(host, host)
+            seconds = (members - 1) * local.latency + sent * (members - 1) / ep / local.bandwidth
+            outside = [h for h in per_host if h != host]
+            if outside:
+                leaving = sent * (ep - members) / ep * members  # the node's members, one NIC share
+                route = min((self.route(host, h, parallel_flows=members) for h in outside),
+                            key=lambda r: r.bandwidth)
+                seconds += len(outside) * route.latency + leaving / route.bandwidth
+            slowest = max(slowest, seconds)
+        return 2 * slowest * model.moe_layer_fraction
 
     def tp_allreduce(self, host: str, tensor_parallel: int, num_bytes: float) -> float:
         """Ring all-reduce among the tensor-parallel ranks of one node."""

@@ -73,6 +73,17 @@ def stage_params(costs: CostModel, num_layers: int, first: bool, last: bool, num
     return params
 
 
+def rank_params(costs: CostModel, num_layers: int, first: bool, last: bool, num_stages: int,
+                tensor_parallel: int) -> tuple[float, float]:
+    """(dense, expert) parameters one rank of a stage holds: the dense part split over the
+    tensor-parallel ranks, the routed experts over expert-parallel x expert-tensor ranks
+    (costs.expert_parallel; with EP 1 that is TP, as for the dense part)."""
+    experts = num_layers * costs.model.expert_params()
+    dense = stage_params(costs, num_layers, first, last, num_stages) - experts
+    grid = costs.expert_parallel * costs.expert_tensor_parallel_at(tensor_parallel)
+    return dense / tensor_parallel, experts / grid
+
+
 def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int,
                             virtual_stages: int = 1) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak, in units of the
@@ -104,8 +115,15 @@ def rank_memory(
     if distributed_optimizer is None:
         distributed_optimizer = setup.distributed_optimizer
     first, last = stage == 0, stage == num_stages - 1
-    params = stage_params(costs, num_layers, first, last, num_stages) / tensor_parallel
-    optimizer_bytes = setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1)
+    dense, experts = rank_params(costs, num_layers, first, last, num_stages, tensor_parallel)
+    params = dense + experts
+    # The distributed optimizer shards dense state over the data-parallel group, expert
+    # state over the expert data-parallel group (the same group with EP 1).
+    expert_share = costs.expert_data_parallel_at(tensor_parallel, data_parallel)
+    if experts and distributed_optimizer:
+        optimizer_state = setup.optimizer_bytes * (dense / data_parallel + experts / expert_share)
+    else:
+        optimizer_state = params * (setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1))
     if in_flight is None:
         in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
     per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
@@ -122,7 +140,7 @@ def rank_memory(
     return MemoryEstimate(
         weights=params * setup.value_bytes,
         gradients=params * setup.grad_bytes,
-        optimizer=params * optimizer_bytes,
+        optimizer=optimizer_state,
         activations=in_flight * per_micro_batch,
         transient=transient,
         overhead=FRAMEWORK_OVERHEAD_GIB.get(vendor, DEFAULT_OVERHEAD_GIB) * GIB,

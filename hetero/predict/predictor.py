@@ -6,7 +6,8 @@ One iteration, as megatron-core runs it:
 2. each rank, when its schedule ends, reduces its stage's gradients over its data-parallel
    group (hierarchical all-reduce, or reduce-scatter + all-gather with the distributed
    optimizer; overlapped with the last backward when asked), and the tied embedding's
-   gradient between first and last stage;
+   gradient between first and last stage; with expert parallelism the experts' gradients
+   go over the expert data-parallel group instead (the ranks holding the same experts);
 3. the gradient-norm all-reduce makes everyone wait for the slowest, then the optimizer
    steps.
 So the iteration takes max over stages of (the latest replica's end of that stage + its
@@ -22,10 +23,11 @@ from typing import Iterator
 from hetero.spec.cluster import Cluster
 from hetero.predict.costs import CostModel
 from hetero.errors import PlanError
-from hetero.predict.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, stage_params
+from hetero.predict.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, rank_params, stage_params
 from hetero.plan import Plan
 from hetero.predict.schedule import Op, StageTiming, simulate_1f1b
 from hetero.predict.stragglers import replica_spread, slowest_of
+from hetero.predict.tied_embedding import tied_embedding_sync_s
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,11 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
         forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
         extra_f, extra_b = costs.stage_extra_times(slot.device_type, tp, mbs, first=s == 0, last=s == pp - 1)
         forward, backward = forward + extra_f, backward + extra_b
+        if plan.expert_parallel > 1:  # layer_cost priced the all-to-alls inside this node
+            group = expert_group_hosts(plan, d, s)
+            beyond = plan.stages[s].num_layers * (costs.expert_exchange_s(group, tp, mbs)
+                                                  - costs.expert_exchange_s((host,) * len(group), tp, mbs))
+            forward, backward = forward + beyond, backward + beyond
         send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
                                       tps[s + 1]) if s < pp - 1 else 0.0
         send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],
@@ -139,6 +146,13 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
         return StageTiming(forward, backward, send_f, send_b)
 
     return [[timing(slot) for slot in row] for row in grid]
+
+
+def expert_group_hosts(plan: Plan, replica: int, stage: int) -> tuple[str, ...]:
+    """The hosts of the expert-parallel group holding replica's first rank of a stage."""
+    first = plan.tensor_group(replica, stage)[0]
+    group = next(g for g in plan.expert_groups(stage) if first in g)
+    return tuple(plan.device_of_logical(r).host for r in group)
 
 
 def micro_batch_spreads(plan: Plan, costs: CostModel, grid: list[list[StageSlot]],
@@ -187,26 +201,49 @@ def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: lis
                           if len({cluster.node(h).group for h in hosts[s][t]}) > 1)
     reduce_s = []
     for s in range(pp):
-        params = stage_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp) / tps[s]
         last_backward = min(timings[d][s].backward_s for d in range(dp))
+        if plan.expert_parallel > 1:
+            reduce_s.append(_expert_plan_reduction(plan, cluster, costs, s, hosts[s], crossing_groups, last_backward))
+            continue
+        params = stage_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp) / tps[s]
         reduce_s.append(max(
             costs.gradient_sync(costs.allreduce_terms(tuple(hosts[s][t]), crossing_groups), params, dp, last_backward)
             for t in range(tps[s])))
     if pp > 1 and not model.untie_embeddings_and_output_weights:
-        # The runtime ties only first and last stages of one degree; other plans are priced as if
-        # the narrower one's shards met the wider's.
-        shared = min(tps[0], tps[-1])
-        table = model.vocab_size * model.hidden_size / shared * costs.setup.grad_bytes
-        tie = max(costs.group_allreduce([grid[d][0].hosts[t], grid[d][-1].hosts[t]], table)
-                  for d in range(dp) for t in range(shared))
+        tie = tied_embedding_sync_s(costs, [grid[d][0].hosts for d in range(dp)],
+                                    [grid[d][-1].hosts for d in range(dp)])
         reduce_s[0] += tie
         reduce_s[-1] += tie
     return reduce_s
 
 
+def _expert_plan_reduction(plan: Plan, cluster: Cluster, costs: CostModel, s: int, hosts: list[list[str]],
+                           crossing_groups: int, last_backward: float) -> float:
+    """A stage's gradient reduction with expert parallelism: the dense parameters over the
+    data-parallel group, then the expert parameters over the expert data-parallel group
+    (the ranks holding the same expert shard), as megatron-core's DDP does (two buffers)."""
+    pp, dp, tp = plan.pipeline_parallel, plan.data_parallel, plan.stage_tensor_parallel[s]
+    dense, experts = rank_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp, tp)
+    dense_s = max(costs.gradient_sync(costs.allreduce_terms(tuple(hosts[t]), crossing_groups), dense, dp, last_backward)
+                  for t in range(tp))
+    expert_s = 0.0
+    for group in plan.expert_data_groups(s):
+        group_hosts = tuple(plan.device_of_logical(r).host for r in group)
+        expert_s = max(expert_s, costs.gradient_sync(costs.allreduce_terms(group_hosts), experts, len(group)))
+    return dense_s + expert_s
+
+
 def optimizer_time(plan: Plan, costs: CostModel, grid: list[list[StageSlot]]) -> float:
     """The slowest rank's optimizer step (the gradient-norm all-reduce synchronises all)."""
     pp, share = plan.pipeline_parallel, plan.data_parallel if costs.setup.distributed_optimizer else 1
+    if plan.expert_parallel > 1:
+        def rank_share(s: int) -> float:
+            tp = plan.stage_tensor_parallel[s]
+            dense, experts = rank_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp, tp)
+            if not costs.setup.distributed_optimizer:
+                return dense + experts
+            return dense / share + experts / costs.expert_data_parallel_at(tp, plan.data_parallel)
+        return max(costs.optimizer_step(slot.device_type, rank_share(slot.stage)) for row in grid for slot in row)
     return max(
         costs.optimizer_step(slot.device_type, stage_params(
             costs, plan.stages[slot.stage].num_layers, slot.stage == 0, slot.stage == pp - 1, pp)
@@ -251,6 +288,7 @@ def stage_memories(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[li
 
 def fits_in_memory(plan: Plan, cluster: Cluster, costs: CostModel) -> bool:
     """predict(plan, cluster, costs).fits, without predicting the time."""
+    costs = costs.with_experts(plan.expert_parallel, plan.expert_tensor_parallel)
     return all(memory.total <= capacity_bytes(cluster.devices[slot.device_type].memory_gib)
                for slot, memory in slot_memories(plan, costs, slots(plan, cluster)))
 
@@ -272,6 +310,7 @@ def model_tflops(plan: Plan, costs: CostModel, grid: list[list[StageSlot]], iter
 
 
 def predict(plan: Plan, cluster: Cluster, costs: CostModel) -> Prediction:
+    costs = costs.with_experts(plan.expert_parallel, plan.expert_tensor_parallel)
     grid = slots(plan, cluster)
     timings = stage_timings(plan, cluster, costs, grid)
     spreads = micro_batch_spreads(plan, costs, grid, timings)

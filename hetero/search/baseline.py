@@ -77,7 +77,7 @@ def _uniform_layouts(cluster: Cluster, model: ModelSpec, global_batch_size: int,
         if any(n.count % tp for n in cluster.nodes):
             continue  # Megatron's TP groups would straddle nodes
         for pp in range(1, model.num_layers + 1):
-            if model.num_layers % pp:
+            if model.num_layers % pp or (options.pipeline_parallel is not None and pp not in options.pipeline_parallel):
                 continue
             for mbs in options.micro_batch_sizes:
                 dp = cluster.num_devices // (tp * pp)

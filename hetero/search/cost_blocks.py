@@ -12,6 +12,7 @@ from typing import Callable, Iterable, TypeVar
 
 from hetero.predict.costs import CostModel, LayerCost
 from hetero.predict.memory import stage_params
+from hetero.predict.tied_embedding import tied_embedding_sync_s
 from hetero.search.options import Degrees, PlannerOptions, device_classes, setup_for
 from hetero.search.placement import GroupPart, representative_hosts
 from hetero.spec.cluster import Cluster
@@ -44,6 +45,9 @@ class CostBlocks(Memoised):
         super().__init__()
         self.cluster, self.model, self.options, self.profiles = cluster, model, options, profiles
         self._costs: dict[tuple[int, int], CostModel] = {}
+        # One search prices one expert-parallel degree (the planner runs one per degree).
+        chosen = options.expert_parallel
+        self.expert_parallel = chosen[0] if chosen is not None and len(chosen) == 1 and model.is_moe else 1
         self.costs = self.costs_for(1)
         self.classes = device_classes(cluster)
         self.class_of = {h: c for c, cl in enumerate(self.classes) for h in cl.hosts}
@@ -53,8 +57,10 @@ class CostBlocks(Memoised):
         """The cost model of the setup a plan of this TP degree runs with."""
         key = (tensor_parallel, virtual_stages)
         if key not in self._costs:
+            ep = self.expert_parallel
             self._costs[key] = CostModel(self.cluster, self.model, setup_for(
-                self.options, tensor_parallel, virtual_stages), self.profiles)
+                self.options, tensor_parallel, virtual_stages), self.profiles,
+                expert_parallel=ep, expert_tensor_parallel=1 if ep > 1 else None)
         return self._costs[key]
 
     def job_costs(self, tp: Degrees) -> CostModel:
@@ -133,16 +139,20 @@ class CostBlocks(Memoised):
     def pattern_sends(self, pattern: tuple[int, ...], tp: Degrees, mbs: int,
                       same_node: tuple[tuple[int, bool], ...], crossings: int) -> list[float]:
         """Each stage's transfers per micro-batch (its activation out, its gradient back).
-        same_node: (class, whether a replica's neighbouring stages of it share a node)."""
+        same_node: (class, whether a replica's neighbouring stages of it share a node);
+        crossings: replicas * max(tp), scaled to each boundary's wider degree (as predict()
+        counts the transfers sharing a boundary's links)."""
         def compute() -> list[float]:
             same = dict(same_node)
+            replicas = max(1, crossings // max(tp))
             boundary: dict[tuple[int, int], tuple[float, float]] = {}  # (forward, backward) by classes
             out = [0.0] * len(pattern)
             for s in range(len(pattern) - 1):
                 a, b = pattern[s], pattern[s + 1]
                 if (a, b) not in boundary:
-                    boundary[a, b] = (self.send_time(a, b, tp, mbs, same.get(a, False), crossings),
-                                      self.send_time(b, a, tp, mbs, same.get(a, False), crossings))
+                    at_boundary = replicas * max(tp[a], tp[b])
+                    boundary[a, b] = (self.send_time(a, b, tp, mbs, same.get(a, False), at_boundary),
+                                      self.send_time(b, a, tp, mbs, same.get(a, False), at_boundary))
                 forward, backward = boundary[a, b]
                 out[s] += forward
                 out[s + 1] += backward
@@ -153,6 +163,24 @@ class CostBlocks(Memoised):
         """Each stage's classes over replicas of these patterns."""
         return self._memo(("at stages", patterns),
                          lambda: tuple(tuple(sorted(set(classes))) for classes in zip(*patterns)))
+
+    def tied_embedding_sync(self, first: Iterable[int], last: Iterable[int], tp: Degrees, replicas: int) -> float:
+        """The tied table's gradient sum between a pipeline's first stage on classes `first`
+        and its last on `last` (hetero/predict/tied_embedding.py), the slowest pair of classes:
+        ranks laid on each class's nodes in launch order, the two stages on different nodes."""
+        def hosts(c: int, rank_count: int, skip: int) -> list[str]:
+            cl = self.classes[c]
+            return [cl.hosts[(skip + i // cl.devices_per_node) % len(cl.hosts)] for i in range(rank_count)]
+
+        def compute(a: int, b: int) -> float:
+            tied = (tp[a] * replicas, tp[b] * replicas)
+            first_ranks = hosts(a, tied[0], 0)
+            last_ranks = hosts(b, tied[1], 1 if a == b else 0)
+            per_replica = [[first_ranks[d * tp[a] + t] for t in range(tp[a])] for d in range(replicas)]
+            per_replica_last = [[last_ranks[d * tp[b] + t] for t in range(tp[b])] for d in range(replicas)]
+            return tied_embedding_sync_s(self.job_costs(tp), per_replica, per_replica_last)
+        return max(self._memo(("tied", a, b, tp[a], tp[b], max(tp), replicas), lambda: compute(a, b))
+                   for a in first for b in last)
 
     # ----- data-parallel groups ---------------------------------------------------------
 
@@ -171,7 +199,8 @@ class CostBlocks(Memoised):
     def stage_group_terms(self, tp: Degrees, dp_parts: list[tuple[GroupPart, ...]]) -> list[tuple[float, float]]:
         """Each stage's all-reduce terms; groups crossing fabrics share the links."""
         alike = collections.Counter(dp_parts)  # stages whose groups lie alike
-        spanning = sum(n for parts, n in alike.items() if self.spans_groups(parts))
-        crossings = max(1, max(tp) * spanning)
+        # predict() counts every tensor-parallel rank's group that crosses fabrics
+        spanning = sum(n * tp[parts[0][0]] for parts, n in alike.items() if self.spans_groups(parts))
+        crossings = max(1, spanning)
         terms_of = {parts: self.group_terms(parts, crossings) for parts in alike}
         return [terms_of[parts] for parts in dp_parts]

@@ -12,6 +12,7 @@ cannot matter before it is split.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence, TypeVar
@@ -20,6 +21,7 @@ from hetero.plan import Plan
 from hetero.predict.predictor import stage_recompute
 from hetero.predict.schedule import PipelineShape, pipeline_shape
 from hetero.predict.stragglers import replica_spread, slowest_of
+from hetero.predict.tied_embedding import tied_embedding_sync_s
 from hetero.search.cost_blocks import CostBlocks, Memoised
 from hetero.search.memory_fit import MemoryFit, StageClasses
 from hetero.search.options import Degrees, PlannerOptions
@@ -233,34 +235,72 @@ class FastEstimate(Memoised):
                           for pattern, shape, m in replicas)
 
     def reduce_and_step(self, tp: Degrees, mbs: int, d: int, layers: list[int], modes: Sequence[str],
-                        at_stage: Sequence[Sequence[int]], terms: list[tuple[float, float]]) -> float:
+                        at_stage: Sequence[Sequence[int]], terms: list[tuple[float, float]],
+                        tie_s: float | None = None) -> float:
         """The slowest stage's exposed gradient synchronisation plus the slowest optimizer
         step: the same CostModel functions the predictor calls. A stage's classes share
-        its degree."""
+        its degree. tie_s: the tied embedding's gradient sum on the end stages, when known
+        from concrete hosts (else CostBlocks.tied_embedding_sync's)."""
         blocks, last = self.blocks, len(layers) - 1
+        if tie_s is None:
+            tie_s = blocks.tied_embedding_sync(at_stage[0], at_stage[-1], tp, d) if last else 0.0
         costs = blocks.job_costs(tp)
         # Stages alike (same group, classes, recomputation, ends) differ only in their
-        # layer count, and the most layers take longest: judge one stage of each kind.
+        # layer count, and the most layers take longest: the optimizer step judges one stage
+        # of each kind (the reduction below also weighs when each stage ends).
         heaviest: dict[tuple, int] = {}
         for s in range(len(layers)):
             kind = (terms[s], tuple(at_stage[s]), modes[s], s == 0, s == last)
             if kind not in heaviest or layers[s] > layers[heaviest[kind]]:
                 heaviest[kind] = s
-        reduce = max(costs.gradient_sync(
-            terms[s], blocks.stage_params(layers, s) / tp[at_stage[s][0]], d,
-            layers[s] * min(blocks.layer_cost(c, tp, mbs, modes[s]).backward_s for c in at_stage[s]))
-            for s in heaviest.values())
+        per_layer: dict[tuple, float] = {}  # a layer's fastest backward by (classes, recomputation)
+        kinds = [(tuple(at_stage[s]), modes[s]) for s in range(len(layers))]
+        for kind in kinds:
+            if kind not in per_layer:
+                per_layer[kind] = min(blocks.layer_cost(c, tp, mbs, kind[1]).backward_s for c in kind[0])
+        backward = [n * per_layer[kind] for n, kind in zip(layers, kinds)]
+        syncs: dict[tuple, float] = {}
+        ep = costs.expert_parallel
+        reduce = 0.0
+        lead = 0.0  # how much earlier than the first stage stage s ends: the backwards of the stages before it
+        for s in range(len(layers)):
+            kind = (terms[s], tuple(at_stage[s]), modes[s], s == 0, s == last, layers[s])
+            if kind not in syncs and ep > 1:  # the predictor's two buffers, the experts' over the same hosts
+                dense, experts = self._rank_params(layers, s, tp[at_stage[s][0]], costs)
+                syncs[kind] = (costs.gradient_sync(terms[s], dense, d, backward[s])
+                               + costs.gradient_sync(terms[s], experts, costs.expert_data_parallel_at(tp[at_stage[s][0]], d))
+                               + (tie_s if s in (0, last) else 0.0))
+            if kind not in syncs:
+                syncs[kind] = costs.gradient_sync(terms[s], blocks.stage_params(layers, s) / tp[at_stage[s][0]], d,
+                                                  backward[s]) + (tie_s if s in (0, last) else 0.0)
+            reduce = max(reduce, syncs[kind] - lead)
+            lead += backward[s]
         share = d if blocks.options.setup.distributed_optimizer else 1
+        if ep > 1:
+            def rank_share(s: int, c: int) -> float:
+                dense, experts = self._rank_params(layers, s, tp[c], costs)
+                return dense / share + experts / (costs.expert_data_parallel_at(tp[c], d) if share > 1 else 1)
+            return reduce + max(costs.optimizer_step(blocks.classes[c].device_type, rank_share(s, c))
+                                for s in heaviest.values() for c in at_stage[s])
         optimizer = max(costs.optimizer_step(blocks.classes[c].device_type,
                                              blocks.stage_params(layers, s) / tp[c] / share)
                         for s in heaviest.values() for c in at_stage[s])
         return reduce + optimizer
+
+    def _rank_params(self, layers: list[int], s: int, tensor_parallel: int, costs) -> tuple[float, float]:
+        """(dense, expert) parameters of one rank of stage s (memory.rank_params)."""
+        experts = layers[s] * self.model.expert_params()
+        grid = costs.expert_parallel * costs.expert_tensor_parallel_at(tensor_parallel)
+        return (self.blocks.stage_params(layers, s) - experts) / tensor_parallel, experts / grid
 
     def of_plan(self, plan: Plan) -> tuple[bool, float]:
         """The fast estimate of a given plan (its layout, layers, micro-batches and
         recomputation as they are): (fits in memory, seconds per iteration). What the
         search ranks candidates by, applied to any plan: tests compare it with predict()."""
         blocks, cluster = self.blocks, self.blocks.cluster
+        if plan.expert_parallel != blocks.expert_parallel:  # an estimate priced for the plan's expert grid
+            options = dataclasses.replace(blocks.options, expert_parallel=(plan.expert_parallel,))
+            return FastEstimate(cluster, self.model, self.global_batch_size, options, blocks.profiles).of_plan(plan)
         pp, dp, mbs = plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
         hosts = [[plan.stage_device(d, s).host for s in range(pp)] for d in range(dp)]
         patterns = [tuple(blocks.class_of[h] for h in row) for row in hosts]
@@ -273,21 +313,29 @@ class FastEstimate(Memoised):
         fits = all(layers[s] <= self.memory.layer_cap(pattern[s], tp, mbs, dp, s, pp, modes[s],
                                                       plan.replicas[d].num_micro_batches)
                    for d, pattern in enumerate(patterns) for s in range(pp))
-        crossings = dp * max(tp)
         replicas = []
         for d, pattern in enumerate(patterns):
             sends = [0.0] * pp
             for s in range(pp - 1):
                 a, b, same = pattern[s], pattern[s + 1], hosts[d][s] == hosts[d][s + 1]
-                sends[s] += blocks.send_time(a, b, tp, mbs, same, crossings)
-                sends[s + 1] += blocks.send_time(b, a, tp, mbs, same, crossings)
+                at_boundary = dp * max(tp[a], tp[b])
+                sends[s] += blocks.send_time(a, b, tp, mbs, same, at_boundary)
+                sends[s + 1] += blocks.send_time(b, a, tp, mbs, same, at_boundary)
             replicas.append((pattern, self.replica_shape(pattern, layers, modes, tp, mbs, sends),
                              plan.replicas[d].num_micro_batches))
         pipeline = self.slowest_replica(replicas, tp, mbs)
         groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
-        spanning = sum(len({cluster.node(h).group for h in g}) > 1 for g in groups)
-        terms = [costs.allreduce_terms(tuple(g), max(1, max(tp) * spanning)) for g in groups]
-        return fits, pipeline + self.reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms)
+        spanning = sum(plan.stage_tensor_parallel[s] for s, g in enumerate(groups)
+                       if len({cluster.node(h).group for h in g}) > 1)
+        terms = [costs.allreduce_terms(tuple(g), max(1, spanning)) for g in groups]
+        tie_s = tied_embedding_sync_s(costs, [hosts_of_stage(plan, d, 0) for d in range(dp)],
+                                      [hosts_of_stage(plan, d, pp - 1) for d in range(dp)]) if pp > 1 else 0.0
+        return fits, pipeline + self.reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms, tie_s)
+
+
+def hosts_of_stage(plan: Plan, replica: int, stage: int) -> list[str]:
+    """The host of each tensor-parallel rank of a replica's stage."""
+    return [plan.device_of_logical(r).host for r in plan.tensor_group(replica, stage)]
 
 
 def _replica_counts(patterns: Iterable[tuple[Pattern, int]]) -> dict[Pattern, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, Iterator
 
+from hetero.search.class_orders import stage_patterns
 from hetero.search.cost_blocks import Memoised
 from hetero.search.estimate import FastEstimate, Pattern, Shape
 from hetero.search.options import FLOOR_ROUNDING, Candidate, Degrees
@@ -104,8 +105,7 @@ class LayoutFamilies(Memoised):
             if sum(k) > self.model.num_layers or d_use < 1:
                 continue
             counts = dict(zip(classes, k))
-            for class_order in self._class_orders(classes):
-                pattern = tuple(c for c in class_order for _ in range(counts[c]))
+            for pattern in stage_patterns(self._class_orders(classes), counts, {c: tp[c] for c in classes}):
                 for order in ORDERS:
                     parts, same = self._cross_class_layout(tp, pattern, d_use, order)
                     candidate = self.judge("cross-class", order, tp, mbs, [(pattern, d_use)], parts, same)
@@ -216,6 +216,9 @@ class LayoutFamilies(Memoised):
         self.estimated += 1
         d = sum(n for _, n in patterns)
         if self.global_batch_size // mbs < d or len(patterns[0][0]) > self.model.num_layers:
+            return None
+        allowed = self.blocks.options.pipeline_parallel
+        if allowed is not None and len(patterns[0][0]) not in allowed:
             return None
         shape = Shape(tp, mbs, tuple(patterns), tuple(sorted(same_node.items())))
         # Nobody needs to hear whether the shape fits without a sweep: spare it the memory model.

@@ -48,6 +48,12 @@ class PlannerOptions:
     """How many of the best estimates overall the exact predictor judges..."""
     exact_per_family: int = 1
     """...plus this many of each family's best."""
+    expert_parallel: tuple[int, ...] | None = None
+    """Expert-parallel degrees to try (mixtures of experts): None tries 1 and every divisor of
+    the expert count that fits in one node (hetero/search/expert_parallel.py)."""
+    pipeline_parallel: tuple[int, ...] | None = None
+    """Pipeline depths allowed (None: any): a launch script that fixes
+    --pipeline-model-parallel-size is planned at that depth."""
     per_stage_tensor_parallel: bool = True
     """Also give each device class of a cross-class pipeline its own degree (plan version 3):
     per class the smallest of `tensor_parallel` whose stage holds a layer, and the wider

@@ -14,6 +14,7 @@ interleaving megatron-core can run, and judged by the exact predictor
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -24,6 +25,7 @@ from hetero.plan import Plan
 from hetero.predict.costs import CostModel, TrainingSetup
 from hetero.predict.predictor import Prediction, predict
 from hetero.search.estimate import FastEstimate
+from hetero.search.expert_parallel import expert_parallel_choices, with_expert_parallel
 from hetero.search.families import LayoutFamilies
 from hetero.search.options import PLAN_RECOMPUTE, Candidate, PlannerOptions, PlanResult
 from hetero.search.placement import ORDERS, place
@@ -44,6 +46,9 @@ class Planner:
         self.families = LayoutFamilies(self.estimator)
         self.classes = self.estimator.blocks.classes
         self.costs = self.estimator.blocks.costs
+        self.expert_parallel_degrees = expert_parallel_choices(model, self.classes, options)
+        # The expert-parallel degree this search's plans run with (one per search).
+        self.expert_parallel = self.expert_parallel_degrees[0] if len(self.expert_parallel_degrees) == 1 else 1
 
     def costs_for(self, tensor_parallel: int, virtual_stages: int = 1) -> CostModel:
         """The cost model of the setup a plan of this TP degree runs with."""
@@ -107,6 +112,8 @@ class Planner:
     def plan(self, progress: Callable[[str], None] | None = None) -> PlanResult:
         if self.global_batch_size < 1:
             raise HeteroError("global batch size must be at least 1")
+        if len(self.expert_parallel_degrees) > 1:
+            return self._plan_each_expert_parallel(progress)
         start = time.perf_counter()
         found = self.candidates(progress, only_contenders=True)
         best: tuple[float, Plan, Prediction, str, TrainingSetup] | None = None
@@ -115,6 +122,9 @@ class Planner:
         trials += [(c, o) for c in chosen[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
         for candidate, order in trials:
             for v, plan in self._interleavings(candidate, order):
+                plan = with_expert_parallel(plan, self.expert_parallel)
+                if plan is None:  # its stages' ranks do not split into expert groups
+                    continue
                 costs = self.costs_for(candidate.tensor_parallel, v)
                 prediction = predict(plan, self.cluster, costs)
                 if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
@@ -122,6 +132,25 @@ class Planner:
         if best is None:
             raise HeteroError(self._why_nothing_fits())
         return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated, best[4])
+
+    def _plan_each_expert_parallel(self, progress: Callable[[str], None] | None) -> PlanResult:
+        """The best plan over the expert-parallel degrees, one search each."""
+        start = time.perf_counter()
+        results, estimated = [], 0
+        for ep in self.expert_parallel_degrees:
+            if progress:
+                progress(f"expert parallel {ep}")
+            options = dataclasses.replace(self.options, expert_parallel=(ep,))
+            planner = Planner(self.cluster, self.model, self.global_batch_size, options, self.profiles)
+            try:
+                results.append(planner.plan(progress))
+            except HeteroError:
+                pass
+            estimated += planner.estimated
+        if not results:
+            raise HeteroError(self._why_nothing_fits())
+        best = min(results, key=lambda r: r.prediction.iteration_time_s)
+        return dataclasses.replace(best, search_time_s=time.perf_counter() - start, candidates_estimated=estimated)
 
     # ----- from a candidate to a plan -----------------------------------------------------
 

@@ -7,6 +7,7 @@ other shape comes from YAML with the same field names.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import os
@@ -24,6 +25,35 @@ def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's default FFN width: 4h, or with SwiGLU 2/3 of that rounded down to 64
     (megatron/training/arguments.py, validate_args)."""
     return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def moe_layer_freq_of(value: int | str | list[int] | tuple[int, ...]) -> int | tuple[int, ...]:
+    """--moe-layer-freq as Megatron-LM reads it: an integer k, or a Python list expression
+    such as "([0]*3+[1]*58)" (lists of 0/1, repeated with * and joined with +), read here
+    without eval."""
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, int) or "[" not in str(value):
+        return int(value)
+
+    def read(node: ast.AST) -> list[int] | int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [read(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = read(node.left), read(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    try:
+        pattern = read(ast.parse(str(value), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
+        raise HeteroError(f"--moe-layer-freq {value!r} is neither an integer nor a list of 0/1 per layer "
+                          "such as \"([0]*3+[1]*58)\"")
+    return tuple(pattern)
 
 
 @dataclass(frozen=True)
@@ -57,6 +87,26 @@ class ModelSpec:
     """Experts each token is routed to."""
     moe_ffn_hidden_size: int | None = None
     """Each expert's FFN width; defaults to ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total FFN width of the shared experts every token passes through (None: none)."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE, as --moe-layer-freq: every k-th layer (k=1: all), or one 0/1 per
+    layer (DeepSeek-V3's first three dense layers: (0, 0, 0, 1, ..., 1))."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction layers after the decoder (each a layer like the last one, a
+    2h -> h projection and its own output layer)."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (MLA) instead of (grouped-query) attention."""
+    q_lora_rank: int | None = None
+    """MLA: the query's low-rank width (None: queries projected at full rank)."""
+    kv_lora_rank: int = 32
+    """MLA: the compressed key/value width (Megatron-LM's default)."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key width without the rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head rotary query/key width."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
 
     def __post_init__(self) -> None:
         defaults = {
@@ -70,6 +120,12 @@ class ModelSpec:
                 object.__setattr__(self, name, value)
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        if isinstance(self.moe_layer_freq, list):  # a hashable spec: patterns are tuples
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if isinstance(self.moe_layer_freq, tuple) and len(self.moe_layer_freq) != self.num_layers:
+            raise HeteroError(
+                f"moe_layer_freq gives {len(self.moe_layer_freq)} layers but the model has "
+                f"{self.num_layers}: give one 0/1 per layer, or an integer k (every k-th layer)")
 
     @classmethod
     def from_megatron_args(cls, args) -> "ModelSpec":
@@ -92,6 +148,12 @@ class ModelSpec:
             normalization=get("normalization") or "LayerNorm", position_embedding_type=position,
             max_position_embeddings=get("max_position_embeddings"), num_experts=get("num_experts"),
             moe_router_topk=get("moe_router_topk") or 2, moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+            moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+            moe_layer_freq=moe_layer_freq_of(get("moe_layer_freq") or 1), mtp_num_layers=get("mtp_num_layers"),
+            multi_latent_attention=bool(get("multi_latent_attention", False)),
+            q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank") or 32,
+            qk_head_dim=get("qk_head_dim") or 128, qk_pos_emb_head_dim=get("qk_pos_emb_head_dim") or 64,
+            v_head_dim=get("v_head_dim") or 128,
         )
 
     def differences(self, other: "ModelSpec", skip: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
@@ -116,29 +178,73 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return bool(self.num_experts)
 
+    def moe_layer_pattern(self) -> tuple[int, ...]:
+        """1 for each MoE layer, 0 for each dense one (Megatron's reading of --moe-layer-freq)."""
+        if not self.is_moe:
+            return (0,) * self.num_layers
+        if isinstance(self.moe_layer_freq, tuple):
+            return self.moe_layer_freq
+        return tuple(int(i % self.moe_layer_freq == 0) for i in range(self.num_layers))
+
+    @property
+    def moe_layer_fraction(self) -> float:
+        """The share of decoder layers that are MoE. The cost and memory models treat every
+        layer as this mix of a dense and a MoE layer, so a stage's cost stays linear in its
+        layer count; the totals over the model are exact."""
+        return sum(self.moe_layer_pattern()) / self.num_layers
+
+    @property
+    def shared_expert_ffn(self) -> int:
+        return self.moe_shared_expert_intermediate_size or 0
+
+    def _attention_widths(self) -> tuple[int, int, int]:
+        """(query, key, value) widths over all heads (MLA: with the rotary part)."""
+        if self.multi_latent_attention:
+            qk = self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
+            return qk, qk, self.num_attention_heads * self.v_head_dim
+        return self.num_attention_heads * self.head_dim, self.query_groups * self.head_dim, self.query_groups * self.head_dim
+
     # ----- FLOPs ------------------------------------------------------------------------
 
     def _mlp_weights(self, ffn: int) -> int:
         return self.hidden_size * ffn * (3 if self.swiglu else 2)
 
     def attention_gemm_flops_per_token(self) -> float:
-        """QKV and output projections (forward, per token)."""
+        """QKV and output projections (forward, per token); MLA's down and up projections as
+        Megatron-LM counts them (num_floating_point_operations)."""
         h = self.hidden_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.query_groups * self.head_dim
+        if self.multi_latent_attention:
+            heads = self.num_attention_heads
+            qk = self.qk_head_dim + self.qk_pos_emb_head_dim
+            query = h * heads * qk if self.q_lora_rank is None else self.q_lora_rank * (h + heads * qk + 1)
+            key_value = self.kv_lora_rank * (h + heads * (self.qk_head_dim + self.v_head_dim) + 1)
+            return 2 * (query + key_value + h * self.qk_pos_emb_head_dim + heads * self.v_head_dim * h)
+        q, kv, _ = self._attention_widths()
         return 2 * h * (q + 2 * kv) + 2 * q * h
 
     def core_attention_flops_per_token(self) -> float:
         """Scores and their product with V; causal, so half of the s x s matrix, as fused
         kernels compute it."""
-        return 2 * 2 * self.seq_length * self.num_attention_heads * self.head_dim / 2
+        heads = self.num_attention_heads
+        if self.multi_latent_attention:  # QK^T over the q/k width, the product with V over v's
+            return 2 * self.seq_length * heads * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim) / 2
+        return 2 * 2 * self.seq_length * heads * self.head_dim / 2
+
+    def dense_mlp_flops_per_token(self) -> float:
+        return 2 * self._mlp_weights(self.ffn)
+
+    def moe_mlp_flops_per_token(self) -> float:
+        """The top-k routed experts and the shared experts (the router's h x E GEMM is not
+        counted, as Megatron-LM does not)."""
+        return 2 * (self.moe_router_topk * self._mlp_weights(self.moe_ffn_hidden_size)
+                    + self._mlp_weights(self.shared_expert_ffn))
 
     def mlp_flops_per_token(self) -> float:
-        """Dense MLP, or the top-k experts a token is routed to plus the router."""
+        """Dense MLP, or the average over the layers of dense and MoE MLPs."""
         if self.is_moe:
-            return 2 * (self.moe_router_topk * self._mlp_weights(self.moe_ffn_hidden_size)
-                        + self.hidden_size * self.num_experts)
-        return 2 * self._mlp_weights(self.ffn)
+            share = self.moe_layer_fraction
+            return share * self.moe_mlp_flops_per_token() + (1 - share) * self.dense_mlp_flops_per_token()
+        return self.dense_mlp_flops_per_token()
 
     @functools.cache
     def layer_forward_flops_per_token(self) -> float:
@@ -149,13 +255,24 @@ class ModelSpec:
     def logits_forward_flops_per_token(self) -> float:
         return 2 * self.hidden_size * self.vocab_size
 
+    def mtp_forward_flops_per_token(self) -> float:
+        """Multi-token prediction: each MTP layer is a decoder layer of the last layer's kind,
+        a 2h -> h projection (with its norms) and another output layer."""
+        if not self.mtp_num_layers:
+            return 0.0
+        h = self.hidden_size
+        last_is_moe = self.moe_layer_pattern()[-1]
+        mlp = self.moe_mlp_flops_per_token() if last_is_moe else self.dense_mlp_flops_per_token()
+        layer = self.attention_gemm_flops_per_token() + self.core_attention_flops_per_token() + mlp
+        return self.mtp_num_layers * (layer + 2 * (3 * h + 2 * h * h) + self.logits_forward_flops_per_token())
+
     def training_flops(self, num_samples: int) -> float:
         """Model FLOPs of forward + backward (2x forward) over num_samples sequences
         (recomputation not counted: it is the same model's work done twice)."""
         tokens = num_samples * self.seq_length
         forward = tokens * (
             self.num_layers * self.layer_forward_flops_per_token()
-            + self.logits_forward_flops_per_token()
+            + self.logits_forward_flops_per_token() + self.mtp_forward_flops_per_token()
         )
         return 3 * forward
 
@@ -166,20 +283,42 @@ class ModelSpec:
         """Parameters of one decoder layer (megatron-core's layout); a MoE layer holds
         every expert and the router."""
         h = self.hidden_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.query_groups * self.head_dim
-        attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if self.add_bias_linear else 0)
         norms = 2 * h * (2 if self.normalization == "LayerNorm" else 1)
-        return attention + norms + self.mlp_params()
+        return self.attention_params() + norms + self.mlp_params()
+
+    def attention_params(self) -> int:
+        h = self.hidden_size
+        if self.multi_latent_attention:  # the FLOPs above are 2 x these weights, less the core
+            return int((self.attention_gemm_flops_per_token()) / 2)
+        q, kv, _ = self._attention_widths()
+        return h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if self.add_bias_linear else 0)
+
+    def _one_mlp_params(self, ffn: int) -> int:
+        if ffn == 0:
+            return 0
+        fc1_out = ffn * (2 if self.swiglu else 1)
+        return self._mlp_weights(ffn) + (fc1_out + self.hidden_size if self.add_bias_linear else 0)
 
     @functools.cache
-    def mlp_params(self) -> int:
-        def one(ffn: int) -> int:
-            fc1_out = ffn * (2 if self.swiglu else 1)
-            return self._mlp_weights(ffn) + (fc1_out + self.hidden_size if self.add_bias_linear else 0)
+    def expert_params(self) -> float:
+        """Routed experts' parameters of the average layer: what expert parallelism shares
+        out (every expert of every MoE layer, averaged over the layers)."""
+        if not self.is_moe:
+            return 0.0
+        return self.moe_layer_fraction * self.num_experts * self._one_mlp_params(self.moe_ffn_hidden_size)
+
+    @functools.cache
+    def mlp_params(self) -> float:
+        """The average layer's MLP: the dense MLP, or every expert, the shared experts and
+        the router of a MoE layer, mixed as the layers are."""
         if self.is_moe:
-            return self.num_experts * one(self.moe_ffn_hidden_size) + self.hidden_size * self.num_experts
-        return one(self.ffn)
+            share = self.moe_layer_fraction
+            moe = (self.num_experts * self._one_mlp_params(self.moe_ffn_hidden_size)
+                   + self._one_mlp_params(self.shared_expert_ffn) + self.hidden_size * self.num_experts)
+            dense = self._one_mlp_params(self.ffn)
+            mixed = share * moe + (1 - share) * dense
+            return int(mixed) if mixed == int(mixed) else mixed
+        return self._one_mlp_params(self.ffn)
 
     @functools.cache
     def embedding_params(self) -> int:
@@ -199,11 +338,28 @@ class ModelSpec:
         final_norm = self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
         return final_norm + self.vocab_size * self.hidden_size
 
-    def total_params(self) -> int:
+    def mtp_params(self) -> float:
+        """Multi-token prediction layers (their output layer shares the main one's weights)."""
+        if not self.mtp_num_layers:
+            return 0.0
+        h = self.hidden_size
+        last_is_moe = self.moe_layer_pattern()[-1]
+        share = self.moe_layer_fraction
+        # one layer of the last layer's kind: the average layer with its MLP swapped
+        mixed_mlp = self.mlp_params()
+        kind_mlp = mixed_mlp
+        if self.is_moe and share not in (0, 1):
+            dense = self._one_mlp_params(self.ffn)
+            moe = (mixed_mlp - (1 - share) * dense) / share
+            kind_mlp = moe if last_is_moe else dense
+        layer = self.layer_params() - mixed_mlp + kind_mlp
+        return self.mtp_num_layers * (layer + 2 * h * h + 3 * h)
+
+    def total_params(self) -> float:
         output = self.output_params()
         if not self.untie_embeddings_and_output_weights:
             output -= self.vocab_size * self.hidden_size
-        return self.num_layers * self.layer_params() + self.embedding_params() + output
+        return self.num_layers * self.layer_params() + self.embedding_params() + output + self.mtp_params()
 
     # ----- activations ------------------------------------------------------------------
 
@@ -228,19 +384,25 @@ class ModelSpec:
         tokens = s * micro_batch_size
         if recompute == "full":
             return tokens * v * h / (t if sequence_parallel else 1)
-        q = self.num_attention_heads * self.head_dim
-        kv = self.query_groups * self.head_dim
+        q, k, value = self._attention_widths()
         masks = 2 * h if dropout else 0  # after attention and after the MLP, one byte each
         # Split by TP only with sequence parallelism: two norm inputs, QKV and fc1 inputs,
         # dropout masks.
         sequence_part = 4 * v * h + masks
+
+        def mlp_bytes(ffn: int) -> float:  # MLP activation input(s) and fc2 input
+            if self.swiglu and not fused_kernels:
+                return v * 4 * ffn + v * ffn  # fc1 output (2F), SiLU output and up half (F each)
+            return v * (2 if self.swiglu else 1) * ffn + v * ffn
+
         # Split by TP: Q, K, V, attention output, MLP activation input(s), fc2 input.
-        ffn, routed = (self.moe_ffn_hidden_size, self.moe_router_topk) if self.is_moe else (self.ffn, 1)
-        if self.swiglu and not fused_kernels:
-            mlp = v * 4 * ffn  # fc1 output (2F), SiLU output and up half (F each)
-        else:
-            mlp = v * (2 if self.swiglu else 1) * ffn
-        split = v * (q + kv) + v * kv + v * q + routed * (mlp + v * ffn)
+        mlp = mlp_bytes(self.ffn)
+        if self.is_moe:
+            share = self.moe_layer_fraction
+            moe = self.moe_router_topk * mlp_bytes(self.moe_ffn_hidden_size) + mlp_bytes(self.shared_expert_ffn)
+            mlp = share * moe + (1 - share) * mlp
+        output = self.num_attention_heads * (self.v_head_dim if self.multi_latent_attention else self.head_dim)
+        split = v * (q + k) + v * value + v * output + mlp
         scores = 0.0
         if not fused_kernels and recompute != "selective":
             # softmax output, and with dropout its mask and output
@@ -262,7 +424,20 @@ class ModelSpec:
         return dataclasses.replace(self, seq_length=seq_length, max_position_embeddings=positions)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The fields that are set; MoE/MLA fields only when the model uses them."""
+        data = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        for name in _MLA_FIELDS if not self.multi_latent_attention else ():
+            data.pop(name, None)
+        if data.get("moe_layer_freq") == 1:
+            data.pop("moe_layer_freq")
+        if isinstance(data.get("moe_layer_freq"), tuple):
+            data["moe_layer_freq"] = list(data["moe_layer_freq"])
+        return data
+
+
+# Fields that mean nothing without multi-latent attention, left out of a dense spec's dict.
+_MLA_FIELDS = ("multi_latent_attention", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                        "v_head_dim")
 
 
 def _gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -271,11 +446,12 @@ def _gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
                      seq_length=2048, vocab_size=51200)
 
 
-def _llama(layers: int, hidden: int, heads: int, ffn: int, groups: int | None = None) -> ModelSpec:
+def _llama(layers: int, hidden: int, heads: int, ffn: int, groups: int | None = None,
+           seq_length: int = 4096, vocab_size: int = 32000) -> ModelSpec:
     """Llama-2 shapes (Touvron et al. 2023): RMSNorm, SwiGLU, RoPE, untied, no biases."""
     return ModelSpec(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=4096,
-        vocab_size=32000, ffn_hidden_size=ffn, num_query_groups=groups, swiglu=True,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq_length,
+        vocab_size=vocab_size, ffn_hidden_size=ffn, num_query_groups=groups, swiglu=True,
         untie_embeddings_and_output_weights=True, add_bias_linear=False,
         normalization="RMSNorm", position_embedding_type="rope",
     )
@@ -295,6 +471,47 @@ PRESETS: dict[str, ModelSpec] = {
     "llama2-70b": _llama(80, 8192, 64, 28672, groups=8),
     # HetHub's Llama-140B: Llama-2-70B's design widened to ~140B parameters.
     "llama-140b": _llama(96, 10240, 80, 40960, groups=8),
+    # Llama 3 / 3.1 (Grattafiori et al. 2024, table 3; 3.1 keeps the shapes, 405B is 3.1's):
+    # 8 key/value heads, pre-trained at 8192 tokens, a
+    # 128,256-token vocabulary (a multiple of 128: unpadded at TP 1 and 2). RoPE base 500,000
+    # (--rotary-base 500000) changes neither shapes nor costs, so the spec does not hold it.
+    "llama3-8b": _llama(32, 4096, 32, 14336, groups=8, seq_length=8192, vocab_size=128256),
+    "llama3-70b": _llama(80, 8192, 64, 28672, groups=8, seq_length=8192, vocab_size=128256),
+    "llama3-405b": _llama(126, 16384, 128, 53248, groups=8, seq_length=8192, vocab_size=128256),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", table 1; the Hugging Face card's
+    # config.json): Mistral-7B's layers with 8 SwiGLU experts, top-2; 46.7B parameters.
+    "mixtral-8x7b": dataclasses.replace(_llama(32, 4096, 32, 14336, groups=8), num_experts=8,
+                                        moe_router_topk=2),
+    # Qwen3-30B-A3B (Qwen3 technical report, Yang et al. 2025, table 2; the card's config.json):
+    # 48 layers, 32 query / 4 key-value heads of 128, 128 experts of width 768, top-8, no shared
+    # expert, 151,936-token vocabulary, untied; 30.5B parameters, 3.3B active. Its QK-norm
+    # (2 x 128 weights per layer) is left out.
+    "qwen3-30b-a3b": ModelSpec(
+        num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+        seq_length=4096, vocab_size=151936, ffn_hidden_size=6144, swiglu=True,
+        untie_embeddings_and_output_weights=True, add_bias_linear=False, normalization="RMSNorm",
+        position_embedding_type="rope", num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, sections 2 and 4.2; the card's
+    # config.json): 61 layers of width 7168, MLA with 128 heads (q rank 1536, kv rank 512,
+    # 128 + 64 rotary query/key, 128 value), the first 3 layers dense (FFN 18432), then 256
+    # routed experts of 2048 top-8 plus 1 shared expert, one MTP layer, 129,280 tokens;
+    # 671B parameters (+14B for MTP), 37B active.
+    "deepseek-v3": ModelSpec(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, seq_length=4096, vocab_size=129280,
+        ffn_hidden_size=18432, swiglu=True, untie_embeddings_and_output_weights=True, add_bias_linear=False,
+        normalization="RMSNorm", position_embedding_type="rope", num_experts=256, moe_router_topk=8,
+        moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=(0,) * 3 + (1,) * 58, mtp_num_layers=1, multi_latent_attention=True,
+        q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128),
+    # A DeepSeek-V3-shaped model small enough for a few GPUs or a CPU test: the same features
+    # (MLA, first layer dense, routed + shared experts, MTP) at 1/7 of the width.
+    "deepseek-v3-proxy": ModelSpec(
+        num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=4096, vocab_size=32768,
+        ffn_hidden_size=2816, swiglu=True, untie_embeddings_and_output_weights=True, add_bias_linear=False,
+        normalization="RMSNorm", position_embedding_type="rope", num_experts=32, moe_router_topk=4,
+        moe_ffn_hidden_size=384, moe_shared_expert_intermediate_size=384,
+        moe_layer_freq=(0,) + (1,) * 7, mtp_num_layers=1, multi_latent_attention=True,
+        q_lora_rank=384, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64),
 }
 
 

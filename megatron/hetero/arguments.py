@@ -10,7 +10,11 @@ contradicts the plan.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import logging
 import math
+import os
 import signal
 from typing import Sequence
 
@@ -22,6 +26,7 @@ from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.runtime_rules import precision_problems
 from megatron.hetero import flags
+from megatron.hetero.problems import Problems
 
 # Megatron-LM flags that only choose fused kernels: speed, not the model. On GPUs they keep
 # their meaning where megatron-core's local or transformer-engine layers offer the kernel;
@@ -72,6 +77,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    flags.declare(g, ("--data-parallel-random-init",))  # a random stream per replica (training.rank_seed)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
@@ -81,6 +87,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="default transformer_engine when it is installed, else local")
     for flag in _KERNEL_TUNING_FLAGS:
         g.add_argument(flag, action="store_true", help="kernel choice (no effect on the CPU)")
+    flags.declare(g, ("--disable-jit-fuser",))  # megatron-core's fused functions run eagerly
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +125,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="take the learning-rate schedule from the checkpoint, not the flags")
+    flags.declare(g, ("--override-opt_param-scheduler",))
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--start-weight-decay", type=float, default=None)
     g.add_argument("--end-weight-decay", type=float, default=None)
@@ -137,6 +145,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    flags.declare(g, ("--dump-param-to-param-group-map",))
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="always on: heterogeneous replicas weight gradients by tokens")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -164,12 +173,77 @@ def _add_run_control_args(parser: argparse.ArgumentParser) -> None:
                         "forward/backward, 2 also after the optimizer step")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate on the validation and test sets and exit")
+    # Megatron-LM's training-loop switches, declared from its facts (training.Trainer.train).
+    flags.declare(g, RUN_CONTROL_FLAGS)
+
+
+# Megatron-LM's run-control flags that the training loop applies as its train() does.
+RUN_CONTROL_FLAGS = ("--train-sync-interval", "--no-check-for-nan-in-loss-and-grad",
+                     "--distributed-timeout-seconds-after-init", "--iterations-to-skip",
+                     "--check-weight-hash-across-dp-replicas-interval", "--decrease-batch-size-if-needed")
+
+
+DATA_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+                   "--per-split-data-args-path")
+_SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+
+
+def read_data_args_files(args: argparse.Namespace) -> None:
+    """Megatron-LM's get_blend_and_blend_per_split, read up front: --data-args-path holds the
+    --data-path arguments (whitespace-separated), --per-split-data-args-path a JSON object
+    with "train", "valid" and "test" (each a list or a string of them). Afterwards only
+    --data-path or --train/valid/test-data-path are set."""
+    per_split_given = any(getattr(args, name) is not None for name in _SPLIT_PATHS)
+    if args.data_args_path is not None:
+        if args.data_path is not None:
+            raise HeteroError("--data-args-path and --data-path both give the data; give one")
+        args.data_path = _read_text(args.data_args_path, "--data-args-path").split()
+    if args.per_split_data_args_path is not None:
+        if per_split_given:
+            raise HeteroError("--per-split-data-args-path and --train/valid/test-data-path both give "
+                              "the data; give one")
+        path = args.per_split_data_args_path
+        try:
+            import json
+
+            given = json.loads(_read_text(path, "--per-split-data-args-path"))
+            for split, name in zip(("train", "valid", "test"), _SPLIT_PATHS):
+                value = given[split]
+                setattr(args, name, value.split() if isinstance(value, str) else list(value))
+        except (ValueError, KeyError, TypeError) as err:
+            raise HeteroError(f"--per-split-data-args-path {path}: {err!r}; give a JSON object with "
+                              "\"train\", \"valid\" and \"test\", each a list of [weight] prefix") from None
+    if args.data_path is not None and any(getattr(args, name) is not None for name in _SPLIT_PATHS):
+        raise HeteroError("--data-path and --train/valid/test-data-path (one dataset split by --split, or "
+                          "one dataset per split): give one of them")
+    if uses_split_paths(args) and args.split is not None:
+        raise HeteroError("--split divides the --data-path dataset; with a dataset per split "
+                          "(--train/valid/test-data-path) remove it")
+
+
+def uses_split_paths(args: argparse.Namespace) -> bool:
+    """A dataset per split (--train/valid/test-data-path) instead of --data-path with --split."""
+    return any(getattr(args, name) for name in _SPLIT_PATHS)
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError as err:
+        raise HeteroError(f"{flag} {path}: {err.strerror}; give the file holding the data paths") from None
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
+    # Megatron-LM's per-split datasets and files holding the data paths (read_data_args_files).
+    flags.declare(g, DATA_PATH_FLAGS)
+    g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic"],
+                   help="single: each sample once, in order (default); cyclic: round the data for "
+                        "ever, each pass shuffled by --seed (the same for every plan)")
+    flags.declare(g, ("--full-validation",))  # data.ReplicaBatchSampler
     g.add_argument("--split", default=None, help="default 969,30,1 (Megatron-LM's)")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files")
@@ -191,6 +265,37 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
                    help="TikTokenizer's split pattern (default v2)")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+
+
+PROFILING_FLAGS = ("--profile", "--use-pytorch-profiler", "--profile-step-start", "--profile-step-end",
+                   "--profile-ranks", "--record-memory-history", "--memory-snapshot-path",
+                   "--log-device-memory-used")
+
+
+def _validate_profiling(args: argparse.Namespace) -> None:
+    if args.profile:
+        if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
+            raise HeteroError(f"--profile-step-start {args.profile_step_start} and --profile-step-end "
+                              f"{args.profile_step_end}: the window needs 0 <= start < end")
+        if args.use_pytorch_profiler and args.tensorboard_dir is None:
+            raise HeteroError("--profile --use-pytorch-profiler writes its trace to --tensorboard-dir "
+                              "(as Megatron-LM); give --tensorboard-dir DIR")
+    if not (args.record_memory_history or args.log_device_memory_used
+            or (args.profile and not args.use_pytorch_profiler)):
+        return
+    import torch  # only for these flags: the rest of the validation needs no torch
+
+    if torch.cuda.is_available():
+        return
+    if args.log_device_memory_used:
+        raise HeteroError("--log-device-memory-used reports the GPU's memory in use (NVML), which needs "
+                          "a GPU; remove it on the CPU (the memory line gives this process's memory)")
+    if args.record_memory_history:
+        raise HeteroError("--record-memory-history records the CUDA caching allocator's history, "
+                          "which needs a GPU; remove it on the CPU")
+    raise HeteroError("--profile without --use-pytorch-profiler drives an nsys capture through CUDA's "
+                      "profiler API, which needs a GPU; add --use-pytorch-profiler (torch.profiler runs "
+                      "on the CPU)")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +327,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-entity", default=None)
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    flags.declare(g, ("--log-progress",))  # progress.txt in --save (log.ProgressLog)
+    # Megatron-LM's profiling window and CUDA memory history (training.ProfilingWindow).
+    flags.declare(g, PROFILING_FLAGS)
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -235,7 +343,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only and start at iteration 0")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                   help="torch_dist (loads under any plan) or Megatron-LM's legacy per-rank torch format")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration from --load instead of the latest")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
@@ -258,6 +367,19 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="one background checkpoint writer for the whole run")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="optimizer state re-shardable over TP/PP/DP (always the case here)")
+    # Megatron-LM's save switches (checkpointing.py) and its exit when --load holds nothing.
+    flags.declare(g, ("--no-save-optim", "--no-save-rng", "--exit-on-missing-checkpoint",
+                      "--save-retain-interval", "--pretrained-checkpoint", "--use-checkpoint-args",
+                      "--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
+                      "--ckpt-assume-constant-structure", "--ckpt-convert-save", "--non-persistent-save-interval",
+                      "--non-persistent-global-ckpt-dir"))
+    g.add_argument("--non-persistent-ckpt-type", default=None, choices=["global"],
+                   help="global: checkpoints every --non-persistent-save-interval iterations in "
+                        "--non-persistent-global-ckpt-dir (default SAVE/non_persistent), only the newest "
+                        "kept; --load resumes from it when it is the newer")
+    g.add_argument("--ckpt-convert-format", default=None, choices=["torch_dist"],
+                   help="write the checkpoint --load holds again in this format, to "
+                        "CKPT_CONVERT_SAVE/FORMAT, and exit")
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -268,6 +390,11 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="default nccl on GPUs, gloo on the CPU; hetero: native library inside "
                         "each vendor of the plan's devices, a bridge across vendors")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    flags.declare(g, ("--use-tp-pp-dp-mapping",))  # the uniform plan's rank order (startup.load_plan)
+    # megatron-core's tuning of the groups it creates (distributed.GROUP_OPTION_FLAGS)
+    flags.declare(g, ("--use-sharp", "--sharp-enabled-group", "--nccl-communicator-config-path",
+                      "--high-priority-stream-groups", "--create-all-gather-group",
+                      "--disable-gloo-process-groups"))
     g.add_argument("--use-cpu-initialization", action="store_true")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="set by old launchers; the LOCAL_RANK environment variable wins")
@@ -290,9 +417,159 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="fused router top-k and scores (transformer-engine's kernel on GPUs; the "
                         "CPU runs them unfused, same result)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
-                   choices=["allgather", "alltoall", "flex"])
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="only 1 for now (experts replicated in every data-parallel replica)")
+                   choices=["allgather", "alltoall"])
+    g.add_argument("--expert-model-parallel-size", type=int, default=None,
+                   help="ranks that share out each MoE layer's experts (default 1; a plan's expert_parallel)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ranks that split each expert (default: the tensor-parallel size; a plan's "
+                        "expert_tensor_parallel)")
+
+
+# Megatron-LM flags whose whole effect is the megatron-core config field of the same name:
+# Megatron-LM's core_transformer_config_from_args copies every args attribute named like a
+# TransformerConfig (or MLATransformerConfig) field, and model.transformer_config does the
+# same. Declared from Megatron-LM's facts (names, dest, default, value syntax): honouring
+# such a flag is listing it here.
+CONFIG_FIELD_FLAGS: dict[str, tuple[str, ...]] = {
+    "model shape (megatron-core config fields)": (
+        "--fp32-residual-connection", "--add-qkv-bias", "--glu-linear-offset", "--activation-func-clamp-value",
+        "--embedding-init-method-std", "--qk-l2-norm", "--attention-output-gate",
+        "--softmax-type", "--no-rope-freq", "--mrope-section", "--window-size",
+        "--window-attn-skip-freq", "--disable-bf16-reduced-precision-matmul",
+        "--no-clone-scatter-output-in-embedding", "--distribute-saved-activations",
+        "--test-mode", "--no-barrier-with-level-1-timing", "--config-logger-dir",
+        "--mtp-num-layers", "--mtp-loss-scaling-factor", "--use-fused-weighted-squared-relu",
+        "--no-initialization",
+    ),
+    "pipeline schedule (megatron-core config fields)": (
+        "--microbatch-group-size-per-virtual-pipeline-stage", "--overlap-p2p-communication-warmup-flush",
+    ),
+    "optimizer (megatron-core config fields)": (
+        "--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type", "--overlap-param-gather-with-optimizer-step",
+    ),
+    "mixture of experts (megatron-core config fields)": (
+        "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+        "--moe-shared-expert-gate", "--moe-layer-freq", "--moe-router-score-function",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+        "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
+        "--moe-router-pre-softmax", "--moe-router-dtype", "--moe-router-force-load-balancing",
+        "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity",
+        "--moe-token-drop-policy", "--moe-z-loss-coeff", "--moe-input-jitter-eps",
+        "--moe-apply-probs-on-input", "--moe-layer-recompute", "--moe-enable-routing-replay",
+    ),
+}
+
+
+# Megatron-LM flags that its pretrain_gpt.py passes unchanged to megatron-core's tokenizer
+# and dataset builders (build_tokenizer(args), GPTDatasetConfig); data.py does the same.
+DATA_BUILDER_FLAGS = (
+    "--tokenizer-metadata", "--tokenizer-special-tokens", "--tiktoken-special-tokens",
+    "--tokenizer-hf-include-special-tokens", "--tokenizer-sentencepiece-legacy",
+    "--trust-remote-code", "--num-dataset-builder-threads", "--object-storage-cache-path",
+    "--mid-level-dataset-surplus", "--allow-ambiguous-pad-tokens", "--dataloader-fast-cache-load",
+    "--dataloader-defer-npy-index-mmap", "--per-dataset-sequences-path",
+)
+
+# Megatron-LM flags that its gpt_builders passes to megatron-core's GPTModel (or, for
+# --quick-geglu, turns into the config's activation); model.py does the same.
+MODEL_BUILDER_FLAGS = ("--use-rope-scaling", "--fp16-lm-cross-entropy", "--quick-geglu")
+# Megatron-LM's logging switches that the runtime applies as Megatron-LM does.
+LOGGING_FLAGS = ("--logging-level", "--timing-log-option")
+# Megatron-LM's other names of --num-layers and --seq-length (used when those are not given).
+ALIAS_FLAGS = {"--encoder-num-layers": "num_layers", "--encoder-seq-length": "seq_length"}
+
+
+def _add_config_field_args(parser: argparse.ArgumentParser) -> None:
+    for title, names in CONFIG_FIELD_FLAGS.items():
+        flags.declare(parser.add_argument_group(title), names)
+    flags.declare(parser.add_argument_group("model (megatron-core GPTModel arguments)"), MODEL_BUILDER_FLAGS)
+    flags.declare(parser.add_argument_group("data and tokenizer (megatron-core builders' options)"),
+                  DATA_BUILDER_FLAGS)
+    flags.declare(parser.add_argument_group("model (Megatron-LM's other names)"), tuple(ALIAS_FLAGS))
+    flags.declare(parser.add_argument_group("logging (Megatron-LM's switches)"), LOGGING_FLAGS)
+
+
+def apply_logging_level(args: argparse.Namespace) -> None:
+    """Megatron-LM's setup_logging: the root logger's level from --logging-level, else the
+    MEGATRON_LOGGING_LEVEL environment variable; unchanged when neither is given."""
+    level = args.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
+
+
+def _resolve_aliases(args: argparse.Namespace) -> None:
+    """--encoder-num-layers/--encoder-seq-length stand for --num-layers/--seq-length, as in
+    Megatron-LM's validate_args (giving both is an error there too)."""
+    for alias, dest in ALIAS_FLAGS.items():
+        value = getattr(args, alias[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if getattr(args, dest) is not None:
+            raise HeteroError(f"{alias} and --{dest.replace('_', '-')} name the same setting; give one")
+        setattr(args, dest, value)
+
+
+def _validate_config_fields(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks and derived defaults of the flags declared from its facts."""
+    if args.quick_geglu and (args.swiglu or args.squared_relu):
+        raise HeteroError("--quick-geglu is an activation, as --swiglu and --squared-relu are; pick one")
+    if args.fp16_lm_cross_entropy and not args.fp16:
+        raise HeteroError("--fp16-lm-cross-entropy needs --fp16 (as in Megatron-LM)")
+    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
+        raise HeteroError("--fp32-residual-connection needs --fp16 or --bf16 (as in Megatron-LM)")
+    if args.add_bias_linear:
+        args.add_qkv_bias = True  # Megatron-LM keeps the two in sync
+    for name, given in (("--dataloader-fast-cache-load", args.dataloader_fast_cache_load),
+                        ("--dataloader-defer-npy-index-mmap", args.dataloader_defer_npy_index_mmap)):
+        if given and args.data_cache_path is None:  # megatron-core's dataset config asserts it
+            raise HeteroError(f"{name} needs --data-cache-path DIR (the index cache it reads)")
+    if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":
+        args.apply_wd_to_qk_layernorm = True  # its deprecated spelling, as in Megatron-LM
+    if args.tiktoken_special_tokens and not args.tokenizer_special_tokens:
+        args.tokenizer_special_tokens = args.tiktoken_special_tokens  # its deprecated alias
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.overlap_param_gather_with_optimizer_step and not (args.use_distributed_optimizer
+                                                               and args.overlap_param_gather):
+        raise HeteroError("--overlap-param-gather-with-optimizer-step gathers the distributed optimizer's "
+                          "updated shards during its step: it needs --use-distributed-optimizer and "
+                          "--overlap-param-gather (as in Megatron-LM)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise HeteroError("--override-opt_param-scheduler (the flags' schedule) and "
+                          "--use-checkpoint-opt_param-scheduler (the checkpoint's): give one")
+    if args.fp16 and not args.loss_scale:
+        # As Megatron-LM: dynamic loss scaling reads NaN/Inf gradients as its signal to back off.
+        args.check_for_nan_in_loss_and_grad = False
+    if args.ddp_num_buckets is not None and (args.ddp_bucket_size is not None or args.ddp_num_buckets < 1):
+        raise HeteroError("--ddp-num-buckets must be a positive count, and not given with --ddp-bucket-size "
+                          "(both size the buckets); give one of them")
+    for name in ("train_sync_interval", "distributed_timeout_seconds_after_init",
+                 "check_weight_hash_across_dp_replicas_interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise HeteroError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def honoured_config_values(args: argparse.Namespace, fields: set[str]) -> dict:
+    """Every honoured flag whose dest is one of ``fields`` (a megatron-core config's), with
+    its value: what Megatron-LM's core_transformer_config_from_args copies."""
+    return {dest: getattr(args, dest) for dest in sorted(honoured_dests() & fields) if hasattr(args, dest)}
+
+
+def config_from_flags(config_class: type, args: argparse.Namespace, **decided):
+    """``config_class`` (a megatron-core config dataclass) built as Megatron-LM builds its
+    OptimizerConfig and TransformerConfig: every honoured flag whose dest is a field, then
+    the ``decided`` fields, which take precedence."""
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    return config_class(**{**honoured_config_values(args, fields), **decided})
+
+
+@functools.cache
+def honoured_dests() -> frozenset[str]:
+    """The dests of the flags this parser honours (the same for every run)."""
+    return frozenset(flags.honoured_dests(build_parser()))
 
 
 def _add_hetero_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +602,11 @@ def _add_performance_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="interleaved 1F1B; a plan's stages[s].virtual_stages gives uneven splits")
+    # Megatron-LM's uneven pipeline stages: without a plan they make the stages
+    # (hetero/pipeline_layout.py), with one they must agree with it.
+    flags.declare(g, ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                      "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split"))
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
@@ -333,6 +615,9 @@ def _add_performance_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather")
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None)
+    # Megatron-LM's get_model turns these into DistributedDataParallelConfig fields (model.py).
+    flags.declare(g, ("--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw",
+                      "--ddp-reduce-scatter-with-fp32-accumulation"))
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
     g.add_argument("--attention-backend", default="auto",
@@ -353,18 +638,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add in (_add_model_args, _add_training_args, _add_run_control_args, _add_data_args,
                 _add_logging_args, _add_checkpoint_args, _add_distributed_args, _add_moe_args,
-                _add_hetero_args, _add_performance_args):
+                _add_config_field_args, _add_hetero_args, _add_performance_args):
         add(parser)
     flags.add_megatron_flags(parser)  # the rest of Megatron-LM's flags: no-op or refused
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], refusals: list[HeteroError] | None = None) -> argparse.Namespace:
     """Parses flags. Every refused Megatron-LM flag and every unknown flag given is named in
-    one HeteroError; ``args.noop_flags`` lists the accepted no-ops for the start-up log."""
+    one HeteroError (appended to ``refusals`` when given, and the flags returned, so that
+    start-up goes on to find the other problems); ``args.noop_flags`` lists the accepted
+    no-ops for the start-up log. A value argparse cannot parse is a HeteroError too."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    flags.judge(parser, args, unknown)
+    parser.exit_on_error = False  # reported with the other problems, not as a usage dump
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise HeteroError(f"{err}; `pretrain_gpt.py --help-all` lists every flag's values") from None
+    args.noop_flags = []
+    _resolve_aliases(args)
+    try:
+        flags.judge(parser, args, unknown)
+    except HeteroError as err:
+        if refusals is None:
+            raise
+        refusals.append(err)
     return args
 
 
@@ -374,31 +672,36 @@ def _require(args: argparse.Namespace, *names: str) -> None:
         raise HeteroError(f"missing required flag(s): {', '.join(missing)}")
 
 
-def _agree(flag: str, given: int | None, planned: int) -> int:
-    """A flag the plan also fixes: absent -> the plan's value; present -> must agree."""
-    if given is not None and given != planned:
-        raise HeteroError(
-            f"{flag} {given} contradicts the plan ({planned}); drop the flag or "
-            "regenerate the plan for this setting"
-        )
-    return planned
-
-
 def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
-    """Takes the parallel layout from the plan, checking the flags that restate it."""
-    args.tensor_model_parallel_size = _agree(
-        "--tensor-model-parallel-size", args.tensor_model_parallel_size, plan.tensor_parallel)
-    args.pipeline_model_parallel_size = _agree(
-        "--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
-        plan.pipeline_parallel)
-    args.micro_batch_size = _agree("--micro-batch-size", args.micro_batch_size,
-                                   plan.micro_batch_size)
-    args.global_batch_size = _agree("--global-batch-size", args.global_batch_size,
-                                    plan.global_batch_size)
-    args.num_layers = _agree("--num-layers", args.num_layers, plan.num_layers)
+    """Takes the parallel layout from the plan, checking the flags that restate it. Every
+    flag that contradicts the plan is named (one error for all), raised after the plan's
+    values are in place, so the checks that follow still run on the plan's layout."""
+    contradictions = []
+    for flag, planned in (("--tensor-model-parallel-size", plan.tensor_parallel),
+                          ("--pipeline-model-parallel-size", plan.pipeline_parallel),
+                          ("--micro-batch-size", plan.micro_batch_size),
+                          ("--global-batch-size", plan.global_batch_size),
+                          ("--num-layers", plan.num_layers)):
+        dest = flag[2:].replace("-", "_")
+        given = getattr(args, dest)
+        if given is not None and given != planned:  # absent: the plan's value
+            contradictions.append(f"{flag} {given} contradicts the plan ({planned})")
+        setattr(args, dest, planned)
     args.data_parallel_size = plan.data_parallel
+    for flag, planned, default in (("--expert-model-parallel-size", plan.expert_parallel, 1),
+                                   ("--expert-tensor-parallel-size", plan.expert_tensor_parallel,
+                                    plan.tensor_parallel)):
+        dest = flag[2:].replace("-", "_")
+        given = getattr(args, dest)
+        if given is not None and given != (planned or default):  # absent: the plan's value
+            contradictions.append(f"{flag} {given} contradicts the plan ({planned or default})")
+        setattr(args, dest, planned)
     # --tensor-model-parallel-size is the job's degree; a version 3 plan may give stages their own.
     args.stage_tensor_parallel_sizes = plan.stage_tensor_parallel
+    problems = Problems()  # one problem per flag, each with its fix
+    for contradiction in contradictions:
+        problems.add(f"{contradiction}; drop the flag or regenerate the plan for this setting")
+    problems.raise_if_any()
 
 
 def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
@@ -413,6 +716,11 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
         wrong = [f"{name}: plan {planned_value!r}, flags {flag_value!r}"
                  for name, planned_value, flag_value in plan.model.spec().differences(ours, skip=("vocab_size",))]
     training = plan.training
+    # Set before the checks below raise, so the start-up's later checks see them either way.
+    if training is not None and training.distributed_optimizer:
+        args.use_distributed_optimizer = True  # the plan's memory assumes it
+    if training is not None and training.sequence_parallel and plan.max_tensor_parallel > 1:
+        args.sequence_parallel = True  # so do its activation memory and transfers
     precision = training.precision if training is not None else None
     if precision and precision != args.params_dtype:
         flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}.get(precision, precision)
@@ -424,10 +732,6 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
         )
     check_precision_supported(args, plan)
     check_per_stage_tensor_parallel(args, plan)
-    if training is not None and training.distributed_optimizer:
-        args.use_distributed_optimizer = True  # the plan's memory assumes it
-    if training is not None and training.sequence_parallel and plan.max_tensor_parallel > 1:
-        args.sequence_parallel = True  # so do its activation memory and transfers
 
 
 def check_per_stage_tensor_parallel(args: argparse.Namespace, plan: Plan) -> None:
@@ -457,25 +761,26 @@ def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Fills Megatron-LM's derived defaults and rejects contradictory combinations."""
+    """Fills Megatron-LM's derived defaults and rejects contradictory combinations: every
+    contradiction found in one error (the checks after the required flags are independent)."""
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "global_batch_size", "lr")
     from megatron.hetero.cpu_device import substitute_gpu_choices
 
+    problems = Problems()
     # First: the checks below then see the layers, attention and experts that will run.
-    args.cpu_substitutions = substitute_gpu_choices(args, used_kernel_tuning_flags(args))
-    _validate_schedule(args)
-    _validate_model_shape(args)
-    _validate_moe(args)
-    _validate_logging_and_checkpoints(args)
+    _, args.cpu_substitutions = problems.attempt(substitute_gpu_choices, args, used_kernel_tuning_flags(args))
+    for check in (_validate_schedule, _validate_model_shape, _validate_moe, _validate_logging_and_checkpoints,
+                  _validate_profiling):
+        problems.attempt(check, args)
     if args.bf16 and args.fp16:
-        raise HeteroError("--bf16 and --fp16 are mutually exclusive; pick one")
+        problems.add("--bf16 and --fp16 are mutually exclusive; pick one")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
-        raise HeteroError(
+        problems.add(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
             f"{args.max_position_embeddings}; raise --max-position-embeddings")
     if args.ffn_hidden_size is None:
@@ -484,14 +789,16 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.kv_channels is None:
         if args.hidden_size % args.num_attention_heads:
-            raise HeteroError(
+            problems.add(
                 f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
                 f"{args.num_attention_heads}; set --kv-channels explicitly")
         args.kv_channels = args.hidden_size // args.num_attention_heads
+    problems.attempt(_validate_config_fields, args)  # after the FFN size: --moe-ffn-hidden-size defaults to it
+    apply_logging_level(args)  # as Megatron-LM, right after its flags are read
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     if args.num_attention_heads % args.num_query_groups:
-        raise HeteroError(
+        problems.add(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--num-query-groups {args.num_query_groups}")
     for tp in tensor_parallel_sizes(args):
@@ -499,18 +806,22 @@ def validate_args(args: argparse.Namespace) -> None:
                             ("--num-query-groups", args.num_query_groups),
                             ("--ffn-hidden-size", args.ffn_hidden_size)):
             if value % tp:
-                raise HeteroError(f"{name} {value} is not divisible by the tensor-parallel size {tp}"
+                problems.add(f"{name} {value} is not divisible by the tensor-parallel size {tp}"
                                   + (" of a stage of the plan" if tp != args.tensor_model_parallel_size else ""))
-    if args.mock_data == bool(args.data_path):
-        raise HeteroError("give exactly one of --mock-data or --data-path PREFIX [...]")
+    problems.attempt(read_data_args_files, args)
+    if args.mock_data == bool(args.data_path or uses_split_paths(args)):
+        problems.add("give exactly one of --mock-data or --data-path PREFIX [...] (or a dataset per "
+                     "split: --train-data-path/--valid-data-path/--test-data-path)")
     if args.tokenizer_type is None:  # pretrain_gpt.py's default in Megatron-LM
         args.tokenizer_type = "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise HeteroError("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.split is None:
+        problems.add("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.dataloader_type is None:  # Megatron-LM's default
+        args.dataloader_type = "single"
+    if args.split is None and not uses_split_paths(args):  # a dataset per split has no --split
         args.split = "969, 30, 1"
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
-        raise HeteroError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+        problems.add("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
@@ -519,10 +830,24 @@ def validate_args(args: argparse.Namespace) -> None:
                  "tensorboard_log_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise HeteroError(f"--{name.replace('_', '-')} must be at least 1")
+            problems.add(f"--{name.replace('_', '-')} must be at least 1")
+    if args.save_retain_interval is not None and (
+            args.save_interval is None or args.save_retain_interval < 1
+            or args.save_retain_interval % args.save_interval or args.async_save):
+        problems.add(f"--save-retain-interval {args.save_retain_interval} keeps the checkpoints of its "
+                     "multiples and deletes the others as newer ones are written: it must be a positive "
+                     "multiple of --save-interval, and not with --async-save")
+    if args.non_persistent_save_interval is not None and (
+            args.non_persistent_ckpt_type is None or args.non_persistent_save_interval < 1):
+        problems.add("--non-persistent-save-interval N saves every N iterations a checkpoint of the kind "
+                     "--non-persistent-ckpt-type gives: add --non-persistent-ckpt-type global (N at least 1)")
+    if args.ckpt_convert_format is not None and (args.load is None or args.ckpt_convert_save is None):
+        problems.add("--ckpt-convert-format converts the checkpoint of --load DIR into --ckpt-convert-save DIR; "
+                     "give both")
     if args.save_interval is not None and args.save is None:
-        raise HeteroError("--save-interval needs --save DIR (where to write the checkpoints)")
+        problems.add("--save-interval needs --save DIR (where to write the checkpoints)")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    problems.raise_if_any()
 
 
 def _validate_schedule(args: argparse.Namespace) -> None:
@@ -573,11 +898,14 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
 
 
 def _validate_moe(args: argparse.Namespace) -> None:
-    if args.expert_model_parallel_size != 1:
+    # Megatron-LM's defaults (a plan sets both before this); expert_tensor_parallel_size None is
+    # megatron-core's "the tensor-parallel size".
+    args.expert_model_parallel_size = args.expert_model_parallel_size or 1
+    if args.expert_model_parallel_size > 1 and (
+            args.num_experts is None or args.num_experts % args.expert_model_parallel_size):
         raise HeteroError(
-            f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert parallelism "
-            "(experts spread over ranks) is not supported by heterogeneous plans yet; every "
-            "replica holds all experts with --expert-model-parallel-size 1")
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} shares out the experts of "
+            f"each MoE layer, so --num-experts ({args.num_experts}) must be a multiple of it")
     # As Megatron-LM: one value given is a plain value, several are one per balancing type.
     for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         value = getattr(args, name)
@@ -598,12 +926,10 @@ def _validate_moe(args: argparse.Namespace) -> None:
             "expert MLP adds the bias in place to a tensor-parallel view and fails in autograd; "
             "add --disable-bias-linear (as MoE recipes do) or use --transformer-impl "
             "transformer_engine on GPUs")
-    if args.add_bias_linear and max(tensor_parallel_sizes(args)) > 1:
+    if args.add_bias_linear and (getattr(args, "expert_tensor_parallel_size", None)
+                                 or max(tensor_parallel_sizes(args))) > 1:
         raise HeteroError("MoE with biases needs expert tensor-parallel size 1 (megatron-core); "
-                          "with tensor parallelism add --disable-bias-linear")
-    if args.moe_token_dispatcher_type == "flex":
-        raise HeteroError("--moe-token-dispatcher-type flex needs DeepEP on NVIDIA GPUs; use "
-                          "alltoall or allgather")
+                          "with tensor parallelism add --disable-bias-linear or --expert-tensor-parallel-size 1")
     if args.moe_grouped_gemm and not grouped_gemm_available():  # on a GPU (the CPU substitutes)
         raise HeteroError(
             "--moe-grouped-gemm needs transformer-engine (TEGroupedMLP) or the grouped_gemm "
@@ -618,6 +944,20 @@ def grouped_gemm_available() -> bool:
                for name in ("transformer_engine", "grouped_gemm"))
 
 
+def _wandb_can_log() -> bool:
+    """Where wandb.init finds what it needs without asking: an offline or disabled mode,
+    WANDB_API_KEY, or the key `wandb login` writes to ~/.netrc."""
+    import netrc
+    import os
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
     if args.wandb_project:
         import importlib.util
@@ -628,7 +968,16 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         if args.wandb_save_dir is None and args.save is None:
             raise HeteroError("--wandb-project needs --wandb-save-dir DIR or --save DIR (W&B "
                               "writes to SAVE/wandb by default)")
+        if not _wandb_can_log():  # else wandb.init fails on the last rank, mid-start
+            raise HeteroError("--wandb-project: no Weights & Biases API key on this machine "
+                              "(WANDB_API_KEY or `wandb login`); log in, set WANDB_MODE=offline to keep "
+                              "the logs in the W&B folder, or drop --wandb-project")
     args.startup_notes = []
+    args.startup_notes += getattr(args, "checkpoint_arg_notes", None) or []  # --use-checkpoint-args
+    if getattr(args, "decreased_global_batch_size", None):
+        given, decreased = args.decreased_global_batch_size
+        args.startup_notes.append(f"decreasing batch size from {given} to {decreased} to keep divisibility by "
+                                  "micro_batch_size * data_parallel_size (--decrease-batch-size-if-needed)")
     if args.async_save and not args.use_persistent_ckpt_worker:
         # Megatron-LM 0.16's rule, kept so a recipe behaves as it does there.
         args.async_save = False
@@ -656,6 +1005,18 @@ def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
     trains the same model."""
     multiple = args.make_vocab_size_divisible_by * math.lcm(*tensor_parallel_sizes(args))
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def vocab_divisor_giving(padded: int, vocab_size: int, args: argparse.Namespace) -> int | None:
+    """The --make-vocab-size-divisible-by that pads vocab_size to ``padded`` under this run's
+    tensor-parallel degrees (this run's own value first, then Megatron-LM's usual ones), or
+    None when none does (another tokenizer)."""
+    multiple = math.lcm(*tensor_parallel_sizes(args))
+    for divisor in (args.make_vocab_size_divisible_by, 128, 64, 256, 32, 512, 16, 8, 1024, 4, 2, 1):
+        step = divisor * multiple
+        if padded % step == 0 and padded - step < vocab_size <= padded:
+            return divisor
+    return None
 
 
 def used_kernel_tuning_flags(args: argparse.Namespace) -> list[str]:

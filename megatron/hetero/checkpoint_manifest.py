@@ -69,12 +69,18 @@ def verify_manifest(directory: Path, iteration: int, older: list[int]) -> bool:
     return True
 
 
+def is_complete(directory: Path) -> bool:
+    """A finished save: megatron-core's metadata.json (torch_dist), or Megatron-LM's legacy
+    per-rank files (--ckpt-format torch)."""
+    return (directory / "metadata.json").exists() or any(directory.glob("mp_rank_*/model_optim_rng.pt"))
+
+
 def complete_iterations(root: Path) -> list[int]:
     """Iterations under root that were renamed into place (finished saves), newest first."""
     found = []
     for entry in root.glob("iter_*"):
         suffix = entry.name[len("iter_"):]
-        if suffix.isdigit() and (entry / "metadata.json").exists():
+        if suffix.isdigit() and is_complete(entry):
             found.append(int(suffix))
     return sorted(found, reverse=True)
 

@@ -271,6 +271,16 @@ def substitute_gpu_choices(args: Any, kernel_flags: list[str]) -> list[str]:
         args.cross_entropy_fusion_impl = "native"
         done.append("--cross-entropy-fusion-impl te -> native (megatron-core's own fused "
                     "cross-entropy)")
+    from megatron.hetero.distributed import GROUP_OPTION_FLAGS
+
+    tuned = []
+    for flag, dest, default in GROUP_OPTION_FLAGS.values():
+        if getattr(args, dest, default) != default:
+            setattr(args, dest, default)
+            tuned.append(flag)
+    if tuned:
+        done.append(f"{', '.join(tuned)}: no effect (NCCL group tuning; every group is a gloo group "
+                    "on the CPU)")
     if kernel_flags:
         done.append(f"{', '.join(kernel_flags)}: no effect (no fused kernels on the CPU)")
     return done

@@ -9,6 +9,7 @@ update made, under any split of micro-batches between replicas.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 from types import SimpleNamespace
@@ -138,12 +139,13 @@ def build_tokenizer(args: argparse.Namespace):
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
-        tokenizer_metadata=None,
-        tokenizer_special_tokens=None,
-        tokenizer_hf_use_fast=True,
-        tokenizer_hf_include_special_tokens=False,
-        tokenizer_sentencepiece_legacy=False,
-        trust_remote_code=False,
+        # Megatron-LM's tokenizer flags (their defaults where a caller's namespace lacks them).
+        tokenizer_metadata=getattr(args, "tokenizer_metadata", None),
+        tokenizer_special_tokens=getattr(args, "tokenizer_special_tokens", None),
+        tokenizer_hf_use_fast=True,  # always (--tokenizer-hf-use-fast is a no-op)
+        tokenizer_hf_include_special_tokens=getattr(args, "tokenizer_hf_include_special_tokens", False),
+        tokenizer_sentencepiece_legacy=getattr(args, "tokenizer_sentencepiece_legacy", False),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
         tiktoken_pattern=args.tiktoken_pattern,
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
     )
@@ -158,21 +160,38 @@ def build_tokenizer(args: argparse.Namespace):
         ) from None
 
 
+def _data_path_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    return {flag: paths for flag, paths in (
+        ("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
+        ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)) if paths}
+
+
+def blends(args: argparse.Namespace) -> tuple:
+    """megatron-core's blend and blend_per_split, as Megatron-LM's get_blend_and_blend_per_split
+    makes them (data-args files were read into the path flags by validate_args)."""
+    if args.mock_data:
+        return None, None
+    if args.data_path:
+        return get_blend_from_list(args.data_path), None
+    return None, [get_blend_from_list(paths) if paths else None
+                  for paths in (args.train_data_path, args.valid_data_path, args.test_data_path)]
+
+
 def check_data_paths(args: argparse.Namespace) -> None:
-    """Every --data-path prefix must name an existing .bin/.idx pair (checked before start-up)."""
-    if not args.data_path:
-        return
-    try:
-        prefixes, _ = get_blend_from_list(args.data_path)
-    except ValueError as err:
-        raise HeteroError(f"--data-path {' '.join(args.data_path)}: {err}") from None
-    missing = [p for p in prefixes if not (os.path.isfile(f"{p}.bin") and os.path.isfile(f"{p}.idx"))]
-    if missing:
-        raise HeteroError(
-            f"--data-path: no .bin/.idx pair at {', '.join(missing)}; give the prefix of files "
-            "written by Megatron's preprocess_data.py (PREFIX.bin and PREFIX.idx)"
-        )
-    check_splits_can_serve(args)
+    """Every data prefix must name an existing .bin/.idx pair (checked before start-up)."""
+    for flag, paths in _data_path_flags(args).items():
+        try:
+            prefixes, _ = get_blend_from_list(paths)
+        except ValueError as err:
+            raise HeteroError(f"{flag} {' '.join(paths)}: {err}") from None
+        missing = [p for p in prefixes if not (os.path.isfile(f"{p}.bin") and os.path.isfile(f"{p}.idx"))]
+        if missing:
+            raise HeteroError(
+                f"{flag}: no .bin/.idx pair at {', '.join(missing)}; give the prefix of files "
+                "written by Megatron's preprocess_data.py (PREFIX.bin and PREFIX.idx)"
+            )
+    if args.data_path:
+        check_splits_can_serve(args)
 
 
 def check_splits_can_serve(args: argparse.Namespace) -> None:
@@ -220,16 +239,39 @@ def num_samples_per_split(args: argparse.Namespace, train_samples: int) -> list[
     evaluations = args.train_iters // args.eval_interval + 1
     return [
         train_samples,
-        evaluations * args.eval_iters * args.global_batch_size,
+        # --full-validation: the validation split as it is (one pass, megatron-core's None).
+        None if args.full_validation else evaluations * args.eval_iters * args.global_batch_size,
         args.eval_iters * args.global_batch_size,
     ]
+
+
+def full_validation_iters(args: argparse.Namespace, valid_samples: int) -> int:
+    """--full-validation: the evaluation iterations that read the whole validation split, in
+    whole global batches (the remainder is left out, as Megatron-LM's sampler drops it)."""
+    iterations = valid_samples // args.global_batch_size
+    if iterations < 1:
+        raise HeteroError(f"--full-validation: the validation split holds {valid_samples} samples, "
+                          f"fewer than one global batch ({args.global_batch_size}); give it more data")
+    return iterations
+
+
+def _sequences_per_dataset(path: str | None) -> dict | None:
+    """--per-dataset-sequences-path: a JSON file of each dataset prefix's sequence count."""
+    if path is None:
+        return None
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError) as err:
+        raise HeteroError(f"--per-dataset-sequences-path {path}: {err}; give a JSON file mapping "
+                          "each --data-path prefix to its number of sequences") from None
 
 
 def build_datasets(args: argparse.Namespace, tokenizer, train_samples: int):
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        **dict(zip(("blend", "blend_per_split"), blends(args))),
         split=args.split,
         path_to_cache=args.data_cache_path,
         mmap_bin_files=args.mmap_bin_files,
@@ -240,6 +282,14 @@ def build_datasets(args: argparse.Namespace, tokenizer, train_samples: int):
         # Megatron-LM's default builds the causal mask in the dataloader; the flag
         # --no-create-attention-mask-in-dataloader leaves it to attention.
         create_attention_mask=args.create_attention_mask_in_dataloader or args.reset_attention_mask,
+        # Megatron-LM's pretrain_gpt.py passes these dataset flags through unchanged.
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        sequences_per_dataset=_sequences_per_dataset(args.per_dataset_sequences_path),
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
 
@@ -268,25 +318,44 @@ class ReplicaBatchSampler:
     """
 
     def __init__(self, dataset_size: int, plan: Plan, dp_rank: int, start_iteration: int = 0,
-                 schedule: BatchSchedule | None = None):
+                 schedule: BatchSchedule | None = None, cyclic_seed: int | None = None,
+                 repeat_after: int | None = None):
         self.dataset_size = dataset_size
         self.micro_batch_size = plan.micro_batch_size
         self.dp_rank = dp_rank
         self.schedule = schedule or BatchSchedule(plan)
         self.start_iteration = start_iteration
+        # --dataloader-type cyclic: the stream of samples goes round the dataset for ever, each
+        # pass in a new order drawn from (seed, pass) - the same for every plan.
+        self.cyclic_seed = cyclic_seed
+        self._order: tuple[int, torch.Tensor] | None = None
+        # --full-validation: the first repeat_after samples, in order, again and again (each
+        # evaluation reads them all once).
+        self.repeat_after = repeat_after
+
+    def _sample(self, position: int) -> int:
+        if self.repeat_after is not None:
+            return position % self.repeat_after
+        if self.cyclic_seed is None:
+            return position
+        epoch, offset = divmod(position, self.dataset_size)
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.cyclic_seed + epoch)
+            self._order = (epoch, torch.randperm(self.dataset_size, generator=generator))
+        return int(self._order[1][offset])
 
     def __iter__(self) -> Iterator[list[int]]:
         # Whole iterations only: a replica must never run while another has run dry.
         consumed = self.schedule.consumed_samples(self.start_iteration)
         while True:
             global_batch = self.schedule.global_batch_size(consumed)
-            if consumed + global_batch > self.dataset_size:
+            if self.cyclic_seed is None and self.repeat_after is None and consumed + global_batch > self.dataset_size:
                 return
             counts = self.schedule.micro_batches(global_batch)
             first = consumed + sum(counts[: self.dp_rank]) * self.micro_batch_size
             for m in range(counts[self.dp_rank]):
                 start = first + m * self.micro_batch_size
-                yield list(range(start, start + self.micro_batch_size))
+                yield [self._sample(position) for position in range(start, start + self.micro_batch_size)]
             consumed += global_batch
 
 
@@ -306,14 +375,16 @@ def needs_data() -> bool:
 
 def micro_batch_iterator(
     dataset, plan: Plan, num_workers: int, start_iteration: int = 0,
-    schedule: BatchSchedule | None = None,
+    schedule: BatchSchedule | None = None, cyclic_seed: int | None = None, repeat_after: int | None = None,
 ) -> Iterator[dict] | None:
-    """This rank's micro-batches (None on stages that take no data)."""
+    """This rank's micro-batches (None on stages that take no data); cyclic_seed: in a new
+    shuffled order each pass, for ever (--dataloader-type cyclic); repeat_after: the first
+    that many samples, over and over (--full-validation)."""
     if dataset is None or not needs_data():
         return None
     sampler = ReplicaBatchSampler(
-        len(dataset), plan, parallel_state.get_data_parallel_rank(), start_iteration, schedule
-    )
+        len(dataset), plan, parallel_state.get_data_parallel_rank(), start_iteration, schedule, cyclic_seed,
+        repeat_after)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,

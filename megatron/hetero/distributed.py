@@ -111,10 +111,8 @@ def _mismatch(plan: Plan, launch_rank: int, found: FoundDevice) -> str | None:
     )
 
 
-def verify_devices(
-    store: dist.Store, plan: Plan, launch: Launch, found: FoundDevice, timeout: timedelta
-) -> None:
-    """All ranks publish their device, read everyone's, and agree on the verdict."""
+def exchange_devices(store: dist.Store, launch: Launch, found: FoundDevice, timeout: timedelta) -> list[FoundDevice]:
+    """Every rank publishes its device and reads everyone's, through the store (no collective)."""
     check = dist.PrefixStore("hetero/device-check", store)
     check.set(str(launch.rank), json.dumps(found.__dict__))
     keys = [str(r) for r in range(launch.world_size)]
@@ -133,6 +131,11 @@ def verify_devices(
         deadline = time.monotonic() + timeout.total_seconds()
         while check.add("read", 0) < launch.world_size and time.monotonic() < deadline:
             time.sleep(0.01)
+    return reports
+
+
+def check_device_reports(plan: Plan, launch: Launch, reports: list[FoundDevice]) -> None:
+    """Every rank's device against the plan: one HeteroError listing every mismatch."""
     problems = [p for r, f in enumerate(reports) if (p := _mismatch(plan, r, f))]
     if problems:
         shown = problems[:_MAX_REPORTED_MISMATCHES]
@@ -143,6 +146,34 @@ def verify_devices(
             + "\n  - ".join(shown)
             + "\nLaunch the plan on the cluster it was made for, or regenerate it for this one."
         )
+
+
+_devices_checked = False  # the check runs once per process (start-up runs it with the flags')
+
+
+def verify_devices(
+    store: dist.Store, plan: Plan, launch: Launch, found: FoundDevice, timeout: timedelta
+) -> None:
+    """All ranks publish their device, read everyone's, and agree on the verdict."""
+    global _devices_checked
+    reports = exchange_devices(store, launch, found, timeout)
+    _devices_checked = True
+    check_device_reports(plan, launch, reports)
+
+
+def check_launch_devices(plan: Plan | None, launch: Launch, timeout: timedelta) -> None:
+    """Start-up's device check, beside the checks of the flags and the plan: every rank
+    takes part in the exchange (so none waits for a rank whose flags were wrong); the
+    verdict needs a plan of this world size with devices (``plan`` None: none)."""
+    global _devices_checked
+    found = detect_device(launch.local_rank)
+    if launch.world_size == 1:  # nothing to exchange
+        reports = [found]
+    else:
+        reports = exchange_devices(_rendezvous(timeout), launch, found, timeout)
+    if plan is not None:
+        _devices_checked = True
+        check_device_reports(plan, launch, reports)
 
 
 def comm_vendor(plan: Plan, launch: Launch, found: FoundDevice, planned: bool) -> str:
@@ -199,15 +230,54 @@ def wait_for_peers_to_fail(launch: Launch, timeout: timedelta = timedelta(second
         announce_stopped(_rendezvous(timeout))
         failed = dist.PrefixStore("hetero/stopped", _rendezvous(timeout))
         deadline = time.monotonic() + timeout.total_seconds()
+        # Polled finely: the ranks then exit within milliseconds of each other, before torchrun
+        # (which looks every 0.1 s) stops the ones still running with SIGTERM.
         while failed.add("count", 0) < launch.world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.005)
     except Exception:  # no store reachable: nothing to wait for
         pass
+
+
+def node_leader_error(launch: Launch, message: str, timeout: timedelta = timedelta(seconds=20)) -> str | None:
+    """Publishes this rank's error and returns the one its node's local rank 0 published
+    (None: this rank is that one, or it published nothing in ``timeout``): every rank
+    checks the launch, and an error its node's first rank already printed is printed once."""
+    leader = launch.rank - launch.local_rank  # torchrun numbers the ranks of a node consecutively
+    if launch.world_size == 1:
+        return None
+    try:
+        errors = dist.PrefixStore("hetero/errors", _rendezvous(timeout))
+        errors.set(str(launch.rank), message)
+        if leader == launch.rank:
+            return None
+        errors.wait([str(leader)], timeout)
+        return errors.get(str(leader)).decode()
+    except Exception:  # no store, or the node's first rank did not stop on an error
+        return None
 
 
 def announce_stopped(store: dist.Store) -> None:
     """Counts this rank among those that stopped on a reported error (see above)."""
     dist.PrefixStore("hetero/stopped", store).add("count", 1)
+
+
+GROUP_OPTION_FLAGS = {
+    # megatron-core's initialize_model_parallel argument: (the flag, its dest, Megatron-LM's default)
+    "use_sharp": ("--use-sharp", "use_sharp", False),
+    "sharp_enabled_group": ("--sharp-enabled-group", "sharp_enabled_group", None),
+    "nccl_communicator_config_path": ("--nccl-communicator-config-path", "nccl_communicator_config_path", None),
+    "high_priority_stream_groups": ("--high-priority-stream-groups", "high_priority_stream_groups", []),
+    "create_all_gather_group": ("--create-all-gather-group", "create_all_gather_group", False),
+    "create_gloo_process_groups": ("--disable-gloo-process-groups", "enable_gloo_process_groups", True),
+}
+"""Flags that tune the process groups megatron-core creates (NCCL options, SHARP, stream
+priorities, the side gloo groups): passed to it as Megatron-LM passes them. On the CPU every
+group is a gloo group already and none applies (cpu_device.substitute_gpu_choices)."""
+
+
+def group_options(args) -> dict:
+    """megatron-core's initialize_model_parallel arguments the flags give."""
+    return {name: getattr(args, dest) for name, (_, dest, _) in GROUP_OPTION_FLAGS.items()}
 
 
 def initialize(
@@ -217,12 +287,14 @@ def initialize(
     timeout: timedelta,
     check_devices: bool = True,
     sequence_parallel: bool = False,
+    group_options: dict | None = None,
 ) -> RankContext:
     """Checks the launch against the plan, then creates every process group.
 
     check_devices=False is for the uniform plan made up for a plan-less launch, which
     has no device expectations. sequence_parallel: how activations cross stages of
-    different tensor-parallel degree (stage_tensor_parallel.py).
+    different tensor-parallel degree (stage_tensor_parallel.py). group_options: megatron-core's
+    NCCL tuning of the groups it creates (GROUP_OPTION_FLAGS), as the flags give it.
     """
     from megatron.core import parallel_state
 
@@ -237,7 +309,7 @@ def initialize(
             "--distributed-backend gloo on the CPU"
         )
     store = _rendezvous(timeout)
-    if check_devices:
+    if check_devices and not _devices_checked:
         verify_devices(store, plan, launch, found, timeout)
 
     if on_gpu:
@@ -257,7 +329,7 @@ def initialize(
         # The groups come from the plan's grid (patch parallel-state-groups-from-per-stage-grid);
         # sizes of 1 only keep megatron-core's divisibility checks of one grid quiet.
         stage_tensor_parallel.use_plan_grid(plan, sequence_parallel)
-        parallel_state.initialize_model_parallel(distributed_timeout_minutes=minutes)
+        parallel_state.initialize_model_parallel(distributed_timeout_minutes=minutes, **(group_options or {}))
         stage_tensor_parallel.finish_plan_grid(timeout)
     else:
         parallel_state.initialize_model_parallel(
@@ -266,8 +338,13 @@ def initialize(
             # Model chunks per pipeline rank of the interleaved schedule (None: plain 1F1B);
             # get_forward_backward_func picks the schedule from it.
             virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
+            # The expert grid (its order inside each stage is the plan's expert_rank_at).
+            expert_model_parallel_size=plan.expert_parallel,
+            expert_tensor_parallel_size=plan.expert_tensor_parallel,
             distributed_timeout_minutes=minutes,
+            **(group_options or {}),
         )
+        check_expert_groups(plan, logical_rank)
     coords = plan.coords(logical_rank)
     assert (
         parallel_state.get_tensor_model_parallel_rank(),
@@ -275,3 +352,20 @@ def initialize(
         parallel_state.get_pipeline_model_parallel_rank(),
     ) == (coords.tp_rank, coords.dp_rank, coords.pp_rank), "megatron-core's rank order changed"
     return RankContext(launch=launch, logical_rank=logical_rank)
+
+
+def check_expert_groups(plan: Plan, logical_rank: int) -> None:
+    """megatron-core's expert groups of this rank are the plan's (plan.expert_groups, whose
+    replicas Plan checked for equal micro-batch counts): a change of megatron-core's expert
+    order would otherwise deadlock the all-to-all of replicas with unequal counts."""
+    from megatron.core import parallel_state
+
+    pp_rank = plan.coords(logical_rank).pp_rank
+    for kind, planned, group in (
+            ("expert model-parallel", plan.expert_groups(pp_rank), parallel_state.get_expert_model_parallel_group()),
+            ("expert data-parallel", plan.expert_data_groups(pp_rank), parallel_state.get_expert_data_parallel_group()),
+            ("expert tensor-parallel", plan.expert_tensor_groups(pp_rank),
+             parallel_state.get_expert_tensor_parallel_group())):
+        ours = next(g for g in planned if logical_rank in g)
+        built = dist.get_process_group_ranks(group)
+        assert built == ours, f"megatron-core's {kind} group {built} is not the plan's {ours}"

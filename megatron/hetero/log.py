@@ -143,3 +143,63 @@ def _mapped_files_kb() -> int:
 
 def error(launch_rank: int, message: str) -> None:
     _emit(f"[launch rank {launch_rank}] error: {message}", sys.stderr)
+
+
+class ProgressLog:
+    """--log-progress: Megatron-LM's progress.txt in --save, one line per job start and per
+    checkpoint saved, with the job's and the cumulative throughput (TFLOP/s per device,
+    cumulative over every job of this world size that appended to the file)."""
+
+    def __init__(self, save_dir: str | None, world_size: int, floating_point_operations_at_start: float):
+        self.path = None if save_dir is None else f"{save_dir}/progress.txt"
+        self.world_size = world_size
+        self.operations_at_start = floating_point_operations_at_start
+        self.started = datetime.now()
+
+    def _append(self, text: str) -> None:
+        if self.path is None or _rank() != 0:
+            return
+        import os
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        job_id = os.environ.get("SLURM_JOB_ID", "")
+        with open(self.path, "a") as handle:
+            handle.write(f"{datetime.now():%Y-%m-%d %H:%M:%S}\tJob ID: {job_id}\t# GPUs: {self.world_size}\t{text}\n")
+
+    def job_started(self) -> None:
+        self._append("Starting job")
+        self.started = datetime.now()
+
+    def _first_start(self) -> tuple[datetime, float]:
+        """When the first job of this world size started (the run of jobs at this size), and
+        the operations done before it, from the file itself."""
+        start, operations, last_operations = self.started, self.operations_at_start, 0.0
+        try:
+            lines = open(self.path).read().splitlines()
+        except OSError:
+            return start, operations
+        previous_size = None
+        for line in lines:
+            fields = line.split("\t")
+            size = next((f.split(": ", 1)[1] for f in fields if f.startswith("# GPUs: ")), None)
+            if fields[-1] == "Starting job" and size != previous_size:
+                start, operations = datetime.strptime(fields[0], "%Y-%m-%d %H:%M:%S"), last_operations
+            previous_size = size
+            for field in fields:
+                if field.startswith("Floating-point operations: "):
+                    last_operations = float(field.split(": ", 1)[1])
+        return start, operations
+
+    def checkpoint_saved(self, iteration: int, operations_so_far: float, tokens_so_far: int) -> None:
+        if self.path is None or _rank() != 0:
+            return
+        now = datetime.now()
+        job = (operations_so_far - self.operations_at_start) / (
+            max((now - self.started).total_seconds(), 1e-9) * 1e12 * self.world_size)
+        first_start, first_operations = self._first_start()
+        cumulative = (operations_so_far - first_operations) / (
+            max((now - first_start).total_seconds(), 1e-9) * 1e12 * self.world_size)
+        self._append(f"Saved checkpoint\tIteration: {iteration}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
+                     f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
+                     f"Floating-point operations: {operations_so_far:.2e}\t"
+                     f"Tokens (in billions): {tokens_so_far / 10**9:.2f}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +22,11 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.hetero import stage_tensor_parallel
+from megatron.hetero.arguments import config_from_flags, honoured_config_values
 from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
 from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.weights import initialize_plan_independent
@@ -43,10 +45,50 @@ def resolve_transformer_impl(args: argparse.Namespace) -> str:
     return args.transformer_impl
 
 
+# Config fields the plan and the runtime decide per stage (this stage's recomputation, its
+# tensor-parallel degree, ...): never copied from the flags, even where a stage sets none.
+_PLAN_DECIDED = frozenset({
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+    "sequence_parallel", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "overlap_p2p_comm",
+    # In the plan's pipeline layout (megatron-core refuses them beside a layout).
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+})
+
+
 def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfig:
+    """Megatron-LM's rule (core_transformer_config_from_args): every honoured flag whose dest
+    is a TransformerConfig field is copied into it; the fields below, which the plan and the
+    runtime decide or which need translating, take precedence."""
+    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+    copied = {name: value for name, value in honoured_config_values(args, fields).items()
+              if name not in _PLAN_DECIDED}
+    try:
+        config = TransformerConfig(**{**copied, **_decided_fields(args, plan)})
+    except (ValueError, AssertionError) as error:  # megatron-core's own checks of the flags
+        raise HeteroError(f"megatron-core rejects this model's flags: {error}") from None
+    _check_runs_without_gpu(config)
+    if config.mtp_num_layers is not None and plan.pipeline_parallel > 1:
+        raise HeteroError("--mtp-num-layers with pipeline parallelism: megatron-core places the "
+                          "multi-token-prediction layers through the pipeline layout, which "
+                          "heterogeneous plans do not give them yet; run them with "
+                          "--pipeline-model-parallel-size 1 (data and tensor parallelism only)")
+    return config
+
+
+def _check_runs_without_gpu(config: TransformerConfig) -> None:
+    """megatron-core layers that need a GPU, named before they fail deep inside the build."""
+    if torch.cuda.is_available():
+        return
+    if config.fp32_residual_connection and (config.bf16 or config.fp16):
+        raise HeteroError("--fp32-residual-connection with --bf16/--fp16 needs a GPU: megatron-core's "
+                          "local layer norm on the CPU cannot take fp32 input with 16-bit weights")
+
+
+def _decided_fields(args: argparse.Namespace, plan: Plan) -> dict:
     on_gpu = torch.cuda.is_available()
     params_dtype = _DTYPES[args.params_dtype]
-    return TransformerConfig(
+    return dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -59,7 +101,7 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
-        gated_linear_unit=args.swiglu,
+        gated_linear_unit=args.swiglu or args.quick_geglu,
         activation_func=_activation(args),
         rotary_interleaved=args.rotary_interleaved,
         deterministic_mode=args.deterministic_mode,
@@ -89,6 +131,10 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
 def _activation(args: argparse.Namespace):
     if args.swiglu:
         return F.silu
+    if args.quick_geglu:
+        from megatron.core.activations import quick_gelu
+
+        return quick_gelu
     if args.squared_relu:
         from megatron.core.activations import squared_relu
 
@@ -97,20 +143,9 @@ def _activation(args: argparse.Namespace):
 
 
 def _moe_config(args: argparse.Namespace) -> dict:
-    """Megatron-LM's MoE flags as TransformerConfig fields (none for a dense model)."""
-    if args.num_experts is None:
-        return {}
-    return dict(
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        moe_permute_fusion=args.moe_permute_fusion,
-        moe_router_fusion=args.moe_router_fusion,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-    )
+    """--num-experts under its TransformerConfig name (the other MoE flags share theirs and
+    are copied with every honoured config field)."""
+    return {} if args.num_experts is None else {"num_moe_experts": args.num_experts}
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -118,18 +153,25 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec.from_megatron_args(args)
 
 
-def _layer_spec(args: argparse.Namespace):
-    if resolve_transformer_impl(args) == "transformer_engine":
+def _layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None):
+    """As Megatron-LM's gpt_builders: with experts, megatron-core's decoder block spec (dense
+    and MoE layers as --moe-layer-freq says, this stage's layers only); else one layer spec."""
+    use_te = resolve_transformer_impl(args) == "transformer_engine"
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                          normalization=args.normalization,
+                                          qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-            qk_layernorm=args.qk_layernorm)
+            qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm)
     return get_gpt_layer_local_spec(
         num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
 
 
 def build_model(
@@ -137,22 +179,58 @@ def build_model(
 ) -> list[DistributedDataParallel]:
     """This rank's model chunks (one per virtual stage, else one), initialised independently
     of the plan, each wrapped for DP."""
-    ddp_config = DistributedDataParallelConfig(**ddp_fields(args, plan.data_parallel))
-    chunks = []
+    stages = []
     for vp_stage in range(plan.virtual_pipeline_size or 1):
         stage = gpt_stage(args, config, vp_stage if plan.virtual_pipeline_size else None)
-        initialize_plan_independent(stage, config, args.seed)
+        if config.perform_initialization:  # --no-initialization: megatron-core drew nothing either
+            initialize_plan_independent(stage, config, args.seed)
+        stages.append(stage)
+    if args.overlap_param_gather_with_optimizer_step and plan.virtual_pipeline_size is None:
+        raise HeteroError("--overlap-param-gather-with-optimizer-step runs with the interleaved schedule "
+                          "only (megatron-core overlaps the first model chunk's gather with the step); add "
+                          "--num-virtual-stages-per-pipeline-rank or give the plan's stages virtual_stages")
+    # Megatron-LM's rule: every honoured flag named like a DDP config field, then ours.
+    ddp_config = config_from_flags(DistributedDataParallelConfig, args, **{**ddp_fields(args, plan.data_parallel),
+                                                                            **megatron_ddp_fields(args, stages)})
+    chunks = []
+    for vp_stage, stage in enumerate(stages):
         if torch.cuda.is_available():
             stage.cuda(torch.cuda.current_device())
         if args.fp16 or args.bf16:
             stage = Float16Module(config, stage)
         # As Megatron-LM: chunks after the first reduce in one bucket each; their reduction
-        # overlaps the other chunks' backward anyway.
-        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=stage,
-                                              disable_bucketing=vp_stage > 0))
+        # overlaps the other chunks' backward anyway (every chunk with the gather overlapped
+        # with the optimizer step).
+        chunks.append(DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=stage,
+            disable_bucketing=vp_stage > 0 or args.overlap_param_gather_with_optimizer_step))
+    if args.data_parallel_random_init:
+        # As Megatron-LM: every replica starts from replica 0's weights (here they are drawn
+        # the same anyway, by parameter name), whatever its own random stream.
+        for chunk in chunks:
+            chunk.broadcast_params()
     config.finalize_model_grads_func = _traced_finalize_model_grads
     _set_schedule_sync_functions(args, config, chunks)
     return chunks
+
+
+def megatron_ddp_fields(args: argparse.Namespace, stages: list[torch.nn.Module]) -> dict:
+    """The DistributedDataParallelConfig fields Megatron-LM's get_model sets from flags of
+    other names: NaN/Inf checks of the gradients before their reduction (on GPUs, unless
+    --no-check-for-nan-in-loss-and-grad), bucket padding and fp32 reduce-scatter accumulation,
+    and --ddp-num-buckets (this rank's parameters over that many buckets)."""
+    fields = {
+        # On the CPU megatron-core's report of a NaN gradient fails on torch.cuda before it says
+        # so; there the loss check (training.checked_forward_step) stops the run instead, at
+        # the next forward at the latest.
+        "check_for_nan_in_grad": args.check_for_nan_in_loss_and_grad and torch.cuda.is_available(),
+        "pad_buckets_for_high_nccl_busbw": args.ddp_pad_buckets_for_high_nccl_busbw,
+        "reduce_scatter_with_fp32_accumulation": args.ddp_reduce_scatter_with_fp32_accumulation,
+    }
+    if args.ddp_num_buckets is not None:
+        parameters = sum(p.numel() for stage in stages for p in stage.parameters())
+        fields["bucket_size"] = parameters // args.ddp_num_buckets
+    return fields
 
 
 def _set_schedule_sync_functions(args: argparse.Namespace, config: TransformerConfig,
@@ -185,9 +263,10 @@ def _traced_finalize_model_grads(*args, **kwargs):
 def gpt_stage(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None = None) -> GPTModel:
     """The GPT layers of this pipeline stage, or of its virtual stage vp_stage (the model's
     first/last stage adds embedding/output)."""
+    layer_spec = _layer_spec(args, config, vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args),
+        transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -196,8 +275,26 @@ def gpt_stage(args: argparse.Namespace, config: TransformerConfig, vp_stage: int
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        mtp_block_spec=_mtp_block_spec(args, config, layer_spec, vp_stage),
         vp_stage=vp_stage,
     )
+
+
+def _mtp_block_spec(args: argparse.Namespace, config: TransformerConfig, layer_spec, vp_stage: int | None):
+    """--mtp-num-layers: megatron-core's multi-token-prediction block, its layers shaped like
+    the decoder's last layer (as Megatron-LM's gpt_builders)."""
+    if config.mtp_num_layers is None:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
+
+    use_te = resolve_transformer_impl(args) == "transformer_engine"
+    if hasattr(layer_spec, "layer_specs"):  # the MoE block spec: its last layer, as in Megatron-LM
+        layer_spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te,
+                                                 normalization=args.normalization,
+                                                 qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
 def count_parameters(model_chunks: list[torch.nn.Module]) -> int:

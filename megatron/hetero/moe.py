@@ -10,11 +10,17 @@ factor whenever the replicas are equal.
 The gradient needs no such care: with the per-token loss megatron-core's router scales
 each micro-batch's aux loss by its token count and finalize_model_grads divides by the
 global token count, which is the same sum under any split of the micro-batches.
+
+Expert parallelism adds two runtime pieces here: the dispatcher's all-to-all split sizes as
+host numbers on the CPU (a patch, patches.py) and the optimizer state of a checkpoint
+saved under another expert-parallel size (fit_optimizer_state).
 """
 
 from __future__ import annotations
 
 import argparse
+
+from hetero.errors import HeteroError
 
 from megatron.hetero.patches import import_megatron_core
 
@@ -58,3 +64,63 @@ class MoEMetrics:
             moe_layer_freq=1,
         )
         return {name: float(value) for name, value in totals.items()}
+
+
+def host_split_sizes(move_to_cpu):
+    """megatron-core's maybe_move_tensor_to_cpu, giving the all-to-all split sizes as host
+    numbers on a process without a GPU too: megatron-core converts them (as_numpy) only when
+    they were on the GPU, and gloo's all_to_all_single takes numbers, not a tensor."""
+    import torch
+
+    def moved(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return moved
+
+
+_OPTIMIZER_COMMON = ("optimizer", "param_state_sharding_type")
+
+
+def fit_optimizer_state(state: dict, optimizer) -> dict:
+    """A loaded optimizer state in the structure of this run's optimizer.
+
+    Under expert parallelism megatron-core chains two optimizers (dense parameters, experts;
+    their param groups flagged is_expert_parallel), without it one. The tensors load by
+    parameter name either way (unprefixed keys); the param groups (lr, step, weight decay)
+    are stored per optimizer, so a checkpoint of the other structure has them in the wrong
+    place: each of this run's groups takes the saved group with the same multipliers.
+    """
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, param_group_identifier_keys
+
+    targets = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    entries = [state] + [value for key, value in state.items() if isinstance(key, int)]
+    saved = [entry for entry in entries if "optimizer" in entry]
+    wants_chained = len(targets) > 1
+    if len(saved) == (len(targets) if wants_chained else 1) and (state is saved[0]) != wants_chained:
+        return state  # saved as this run's optimizer is built
+    if any(type(target).__name__ != "DistributedOptimizer" for target in targets):
+        raise HeteroError(
+            "the checkpoint's optimizer state was saved with another expert-parallel size; only the "
+            "distributed optimizer's state re-shards across expert-parallel sizes: resume with "
+            "--use-distributed-optimizer (as the checkpoint was saved), or with --no-load-optim")
+    groups = [group for entry in saved for group in entry["optimizer"]["param_groups"]]
+    sharding_type = saved[0].get("param_state_sharding_type")
+    keys = [key for key in param_group_identifier_keys if key != "is_expert_parallel"]
+
+    def fitted(target) -> dict:
+        result = []
+        for group in target.optimizer.param_groups:
+            same = [g for g in groups if all(g.get(k) == group.get(k) for k in keys)]
+            same.sort(key=lambda g: g.get("is_expert_parallel") != group.get("is_expert_parallel"))
+            if same:
+                result.append({**same[0], "is_expert_parallel": group.get("is_expert_parallel")})
+        return {"optimizer": {"param_groups": result}, "param_state_sharding_type": sharding_type}
+
+    def tensors(entry: dict) -> dict:
+        return {k: v for k, v in entry.items() if k not in _OPTIMIZER_COMMON and not isinstance(k, int)}
+
+    if wants_chained:
+        return {index: {**tensors(state.get(index, {})), **fitted(target)} for index, target in enumerate(targets)}
+    return {**tensors(state), **fitted(targets[0])}

@@ -340,7 +340,7 @@ def import_megatron_core() -> None:
         def call(*args, **kwargs):
             nonlocal compiled
             if compiled is None:
-                compiled = model if _no_gpu() else compile_now(model, **options)
+                compiled = compile_now(model, **options) if compiles_fusions() else model
             return compiled(*args, **kwargs)
 
         return call
@@ -360,8 +360,27 @@ def _apply_jit_fusions_compiled_on_first_call() -> object:
 
     # Modules megatron-core imports later read jit_fuser at their import: they get the
     # same treatment (eager without a GPU, torch.compile with one).
-    jit.jit_fuser = jit.noop_decorator if _no_gpu() else torch.compile
+    jit.jit_fuser = torch.compile if compiles_fusions() else jit.noop_decorator
     return jit.jit_fuser
+
+
+_JIT_FUSER = {"disabled": False}
+
+
+def compiles_fusions() -> bool:
+    """Whether megatron-core's JIT-fused functions are compiled: on a GPU, unless
+    --disable-jit-fuser."""
+    return not _no_gpu() and not _JIT_FUSER["disabled"]
+
+
+def disable_jit_fuser() -> None:
+    """--disable-jit-fuser, as Megatron-LM's megatron.core.jit.disable_jit_fuser: the fused
+    functions run eagerly, those decorated while megatron-core was imported included (they
+    are compiled at their first call, which then compiles nothing)."""
+    import megatron.core.jit as jit
+
+    _JIT_FUSER["disabled"] = True
+    jit.disable_jit_fuser()
 
 
 def _apply_schedule_trace() -> object:
@@ -377,6 +396,15 @@ def _apply_plan_rank_generator() -> object:
 
     parallel_state.RankGenerator = plan_rank_generator(parallel_state.RankGenerator)
     return parallel_state.RankGenerator
+
+
+def _apply_host_split_sizes() -> object:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from megatron.hetero.moe import host_split_sizes
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu)
+    return token_dispatcher.maybe_move_tensor_to_cpu
 
 
 def _apply_resharding_p2p() -> object:
@@ -538,6 +566,16 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_resharding_p2p,
+    ),
+    Patch(
+        name="alltoall-split-sizes-on-cpu",
+        why=(
+            "the alltoall token dispatcher of expert parallelism turns its per-rank split sizes "
+            "into host numbers only when they live on a GPU; on the CPU they stayed tensors, "
+            "which torch's all_to_all_single refuses. They are converted on the CPU as well"
+        ),
+        needed=_no_gpu,
+        apply=_apply_host_split_sizes,
     ),
 )
 

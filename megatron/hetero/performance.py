@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.errors import HeteroError
+from hetero.pipeline_layout import SplitFlags, megatron_split
 from hetero.plan import Plan, RecomputeEntry
 
 
@@ -136,35 +137,60 @@ def _with_virtual_stages(args: argparse.Namespace, plan: Plan) -> Plan:
     if per_rank is not None and per_stage is not None:
         raise HeteroError("give only one of --num-virtual-stages-per-pipeline-rank and "
                           "--num-layers-per-virtual-pipeline-stage")
+    split_flags = SplitFlags.of_args(args)
     planned = plan.virtual_pipeline_size
     if planned is not None:
         if per_rank is not None and per_rank != planned:
             raise HeteroError(f"--num-virtual-stages-per-pipeline-rank {per_rank} contradicts the "
                               f"plan's {planned} virtual stages per rank; drop the flag")
-        if per_stage is not None and set(plan.virtual_stage_layers()) != {per_stage}:
+        # With Megatron's uneven-split flags the first/last virtual stages differ; the plan
+        # was built from (or checked against) the whole split in startup.load_plan.
+        if per_stage is not None and not split_flags.shapes_stages and set(plan.virtual_stage_layers()) != {per_stage}:
             raise HeteroError(f"--num-layers-per-virtual-pipeline-stage {per_stage} contradicts the "
                               f"plan's virtual stages {plan.virtual_stage_layers()}; drop the flag")
         result = plan
     elif per_rank is None and per_stage is None:
         return plan
     else:
-        result = _even_virtual_split(plan, per_rank, per_stage)
+        # Megatron's own split where its flags shape the stages (the plan agrees with them).
+        split = megatron_split(plan.num_layers, plan.pipeline_parallel, split_flags) if split_flags.shapes_stages else None
+        result = _even_virtual_split(plan, per_rank, per_stage, split)
         if result.virtual_pipeline_size is None:
             return result
-    if args.save or args.load:
-        raise HeteroError("checkpoints of an interleaved run (virtual stages) are not supported yet; "
-                          "drop --save/--load or the virtual stages")
     if result.pipeline_parallel == 2 and not args.overlap_p2p_comm:
         raise HeteroError("the interleaved schedule with pipeline-model-parallel size 2 needs "
                           "overlapped pipeline communication (Megatron-LM: otherwise two sends and "
                           "receives between the same two ranks share one batch); drop "
                           "--no-overlap-p2p-communication")
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    fewest = min(replica.num_micro_batches for replica in result.replicas)
+    if group is not None and not result.pipeline_parallel <= group <= fewest:
+        # megatron-core's interleaved schedule checks this only when it runs (a ValueError).
+        raise HeteroError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between the "
+                          f"pipeline-parallel size {result.pipeline_parallel} and the micro-batches a replica "
+                          f"runs per iteration ({fewest}, the fewest under the plan); give a value in "
+                          "that range or a larger --global-batch-size")
+    if group is not None:
+        # megatron-core also refuses, when it runs, a last partial group shorter than PP.
+        counts = sorted({replica.num_micro_batches for replica in result.replicas})
+        broken = [n for n in counts if 0 < n % group < result.pipeline_parallel]
+        if broken:
+            raise HeteroError(
+                f"--microbatch-group-size-per-virtual-pipeline-stage {group}: a replica's "
+                f"{broken[0]} micro-batches leave a last group of {broken[0] % group}, fewer than the "
+                f"pipeline-parallel size {result.pipeline_parallel} (megatron-core refuses it); give a "
+                f"group size that divides the micro-batches a replica runs, or another --global-batch-size")
     return result
 
 
-def _even_virtual_split(plan: Plan, per_rank: int | None, per_stage: int | None) -> Plan:
+def _even_virtual_split(plan: Plan, per_rank: int | None, per_stage: int | None,
+                        split: list[list[int]] | None = None) -> Plan:
     stages = []
     for index, stage in enumerate(plan.stages):
+        if split is not None:
+            stages.append({**stage.model_dump(exclude_none=True),
+                           "virtual_stages": split[index] if len(split[index]) > 1 else None})
+            continue
         chunks = per_rank if per_rank is not None else stage.num_layers // per_stage
         if chunks < 1 or stage.num_layers % chunks or (per_stage and stage.num_layers % per_stage):
             flag = (f"--num-virtual-stages-per-pipeline-rank {per_rank}" if per_rank is not None
@@ -360,8 +386,9 @@ def startup_lines(args: argparse.Namespace, plan: Plan, transformer_impl: str) -
                      f"{'overlapped' if args.overlap_p2p_comm else 'batched'}")
     ddp = ddp_fields(args, plan.data_parallel)
     if ddp["overlap_grad_reduce"]:
-        lines.append(f"> gradient reduction overlapped with backward (buckets of "
-                     f"{ddp['bucket_size']} elements"
+        buckets = (f"this rank's parameters in {args.ddp_num_buckets} buckets" if args.ddp_num_buckets
+                   else f"buckets of {ddp['bucket_size']} elements")
+        lines.append(f"> gradient reduction overlapped with backward ({buckets}"
                      + (", parameter all-gather overlapped with forward" if ddp["overlap_param_gather"] else "")
                      + ")")
     lines.append(f"> fused kernels: {megatron_fusions(args, transformer_impl).describe()}"

@@ -1,19 +1,28 @@
 """pretrain_gpt.py's body: the start-up steps of ``startup``, then the run.
 
-Everything that can be decided from the command line and the plan file is checked first
-(``startup.configure``), before megatron-core is imported or any process group exists, so
-a bad launch fails within seconds and identically on every rank.
+Everything that can be decided from the command line, the plan file and the launch is
+checked first (``startup.configure``), before megatron-core is patched or any process group
+exists, so a bad launch fails within seconds, with every problem in one message, and
+identically on every rank.
+
+Exit codes (docs/faults.md): 0 done, 1 a lost rank or a crash, 2 bad input, 128 + N the
+rank that received stop signal N.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from typing import Sequence
 
+from hetero import env
 from hetero.errors import HeteroError
 from megatron.hetero import startup
-from megatron.hetero.distributed import read_launch, wait_for_peers_to_fail
+from megatron.hetero.distributed import Launch, node_leader_error, read_launch, wait_for_peers_to_fail
 from megatron.hetero.log import error
+
+BAD_INPUT = 2
 
 
 def main(argv: Sequence[str]) -> int:
@@ -22,15 +31,46 @@ def main(argv: Sequence[str]) -> int:
         launch = read_launch()
     except HeteroError as err:  # a launch variable is malformed: no rank to name yet
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return BAD_INPUT
     startup.prepare_process(launch.rank)                              # 1. the process
     try:
-        job = startup.configure(argv, launch.world_size)              # 2. flags and plan
+        job = startup.configure(argv, launch.world_size, launch)      # 2. flags, plan, launch
+    except HeteroError as err:
+        # Every rank found the same problems: each node's first rank prints them, the
+        # others only an error of their own.
+        if node_leader_error(launch, str(err)) != str(err):
+            error(launch.rank, str(err))
+        return _stop_on_bad_input(launch)
+    try:
         from megatron.hetero.training import run  # imports megatron-core: after the checks
 
         run(job.args, job.plan, job.plan_source, launch)              # 3-6 (startup), training
     except HeteroError as err:
         error(launch.rank, str(err))
-        wait_for_peers_to_fail(launch)
-        return 2
+        return _stop_on_bad_input(launch)
     return 0
+
+
+def _stop_on_bad_input(launch: Launch) -> int:
+    _tell_torchrun(launch)
+    wait_for_peers_to_fail(launch)
+    return BAD_INPUT
+
+
+def _tell_torchrun(launch: Launch) -> None:
+    """torchrun's failure summary shows a worker's error file in place of "To enable
+    traceback see: ...": point it at the message printed above (torchrun still prints its
+    own traceback; ``python -m megatron.hetero.launcher`` is torchrun without it)."""
+    path = env.get(env.TORCHELASTIC_ERROR_FILE)
+    if path is None:
+        return
+    leader = launch.rank - launch.local_rank
+    note = (f"bad input (exit code {BAD_INPUT}), not a crash: the problems and their fixes are printed "
+            f"above as '[launch rank {leader}] error: ...'")
+    try:
+        with open(path, "w") as handle:
+            # The format of torch's own error handler: the summary shows "py_callstack".
+            json.dump({"message": {"message": note, "extraInfo": {"py_callstack": note,
+                                                                  "timestamp": str(int(time.time()))}}}, handle)
+    except OSError:  # only torchrun's summary loses the pointer
+        pass

@@ -7,19 +7,24 @@ each step is one function below:
    warnings, the CPU allocator);
 2. ``configure``: Megatron-LM's flags parsed (refused flags named), the plan (or Megatron's
    uniform one) applied to them, then validated: Megatron-LM's derived defaults, the model
-   against the plan, the performance features, the batch schedule. No megatron-core and no
-   process group yet, so a bad launch fails in seconds, on every rank alike;
+   against the plan, the performance features, the batch schedule; for a process of a job,
+   also the launch: the world size and every rank's device (the checks of step 4, through the
+   rendezvous store), the data files, the tokenizer (step 5) and the checkpoint to resume.
+   No process group and no patched megatron-core yet, so a bad launch fails in seconds, on
+   every rank alike, with every problem found in one error (problems.py);
    ``model_args`` is this step for a model that is built or described but not trained;
 3. ``start_megatron_core``: megatron-core imported and patched (patches.py);
-4. ``init_distributed``: the launch checked against the plan, then the process groups;
+4. ``init_distributed``: the launch checked against the plan (once per process), then the
+   process groups;
 5. ``build_tokenizer``: the vocabulary padded as Megatron-LM pads it, checked against the plan;
 6. ``build_model``: this rank's model chunks (TransformerConfig, GPT stages, DDP).
 
 Who runs which: pretrain_gpt.py (``pretrain.main``) runs 1-2, then ``training.run`` runs 3-4,
-starts its watchdog (which reports any later failure to every rank), runs 5-6 and trains;
+starts its watchdog (which reports any later failure to every rank), runs 5-6 and trains
+(step 5 again: configure's tokenizer was a check);
 ``profiling.compute`` runs 1, ``model_args``, 3, its own world of profiling processes, then 6
 per probed depth; ``model_spec_of_flags`` (benches that predict a run before
-launching it) runs ``model_args`` only. Nothing else repeats a step.
+launching it) runs ``model_args`` only.
 """
 
 from __future__ import annotations
@@ -35,13 +40,17 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from hetero.env import Launch
 from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
+from hetero.pipeline_layout import SplitFlags, split_disagreement
 from hetero.spec.model import ModelSpec
 from megatron.hetero.arguments import (
     apply_plan,
+    build_parser,
     check_plan_model,
     padded_vocab_size,
+    vocab_divisor_giving,
     parse_args,
     validate_args,
 )
@@ -49,6 +58,7 @@ from megatron.hetero import distributed
 from megatron.hetero.batch_schedule import batch_schedule
 from megatron.hetero.distributed import RankContext
 from megatron.hetero.performance import configure_performance
+from megatron.hetero.problems import Problems
 
 if TYPE_CHECKING:  # importing it here would import megatron-core before step 3
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -104,22 +114,134 @@ class Configured:
     plan_source: str | None  # the plan file; None for Megatron's uniform plan
 
 
-def configure(argv: Sequence[str], world_size: int) -> Configured:
-    """Megatron-LM's flags and the plan, checked before megatron-core or any process group."""
-    args = parse_args(argv)                        # refused and unknown flags named here
-    plan, plan_source = load_plan(args, world_size)
-    apply_plan(args, plan)                         # the plan's layout into the flags
-    validate_args(args)                            # Megatron-LM's derived defaults and checks
-    check_plan_model(args, plan)                   # the model the plan was made for
-    plan = configure_performance(args, plan)       # virtual stages filled in from the flags
-    batch_schedule(args, plan)                     # --train-samples -> iterations; ramp steps split
+def configure(argv: Sequence[str], world_size: int, launch: Launch | None = None) -> Configured:
+    """Megatron-LM's flags and the plan, checked before megatron-core or any process group;
+    with ``launch`` (a process of a job), also the launch: the world size, every rank's
+    device against the plan (through the rendezvous store, not a collective), the data
+    files, the tokenizer against the plan's vocabulary and the checkpoint --load resumes.
+    Every problem found is in the one HeteroError raised, the same on every rank."""
+    problems = Problems()
+    refusals: list[HeteroError] = []
+    args = parse_args(argv, refusals)              # refused and unknown flags named here
+    for refusal in refusals:
+        problems.add(str(refusal))
+    if args.use_checkpoint_args:                   # the model flags from the checkpoint, as Megatron-LM
+        from megatron.hetero.arguments import honoured_dests
+        from megatron.hetero.checkpoint_args import apply_checkpoint_args
+
+        _, args.checkpoint_arg_notes = problems.attempt(apply_checkpoint_args, args, honoured_dests())
+    plan, plan_source = None, None
+    if args.hetero_plan or not _missing_layout_flags(args):  # missing ones: validate_args names them
+        _, loaded = problems.attempt(load_plan, args, world_size)
+        plan, plan_source = loaded or (None, None)
+    if plan is not None:
+        problems.attempt(apply_plan, args, plan)   # the plan's layout into the flags, even on a conflict
+    else:                                          # the flags' own layout for the checks below
+        args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
+        args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
+        args.stage_tensor_parallel_sizes = None
+    validated, _ = problems.attempt(validate_args, args)  # Megatron-LM's derived defaults and checks
+    # validate_args fills every default before it raises, unless a required flag is missing.
+    defaults_filled = getattr(args, "params_dtype", None) is not None
+    if defaults_filled and plan is not None:
+        problems.attempt(check_plan_model, args, plan)  # the model the plan was made for
+        performed, configured_plan = problems.attempt(configure_performance, args, plan)
+        if performed and validated:
+            plan = configured_plan                 # virtual stages filled in from the flags
+            problems.attempt(batch_schedule, args, plan)  # --train-samples -> iterations; ramp steps
+    if launch is not None:
+        _check_launch(problems, args, plan, plan_source, launch, defaults_filled)
+    problems.raise_if_any()
     return Configured(args, plan, plan_source)
+
+
+def _missing_layout_flags(args: argparse.Namespace) -> bool:
+    return any(getattr(args, flag) is None for flag in ("num_layers", "micro_batch_size", "global_batch_size"))
+
+
+def _check_launch(problems: Problems, args: argparse.Namespace, plan: Plan | None, plan_source: str | None,
+                  launch: Launch, defaults_filled: bool) -> None:
+    """Configure's launch-side checks (steps 4 and 5, done early so their problems join the
+    others): every rank exchanges its device whatever else failed, so that none waits."""
+    judged = None
+    if plan is not None and plan_source is not None:  # the uniform plan expects no device
+        sized, _ = problems.attempt(distributed.check_world_size, plan, launch, plan_source)
+        judged = plan if sized else None
+    if args.hetero_plan:  # every rank of a planned launch, whether its plan loaded or not
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
+        problems.attempt(distributed.check_launch_devices, judged, launch, timeout)
+    if defaults_filled:  # the files and vocabulary the flags name
+        from megatron.hetero import data  # imports megatron-core (not patched yet: step 3)
+
+        problems.attempt(data.check_data_paths, args)
+        tokenized, _ = problems.attempt(build_tokenizer, args, plan)
+        if tokenized and args.load:
+            problems.attempt(check_resume_shape, args)
+
+
+def check_resume_shape(args: argparse.Namespace) -> None:
+    """The checkpoint --load resumes against the model the flags build, before any process
+    group: a difference is named with the flags that build the checkpoint's model. The
+    vocabulary is left to the load itself (checkpointing.py), which explains its padding."""
+    from megatron.core import dist_checkpointing
+    from megatron.hetero import checkpointing
+
+    iteration = args.ckpt_step if args.ckpt_step is not None else checkpointing.latest_iteration(args.load)
+    directory = checkpointing.iteration_dir(args.load, iteration) if iteration is not None else None
+    if directory is None or not (directory / "metadata.json").exists():
+        return  # nothing to resume, or an incomplete one: the load says which
+    try:
+        saved = dist_checkpointing.load_common_state_dict(str(directory)).get("hetero", {})
+    except Exception:  # unreadable: the load's manifest check names the damaged file
+        return
+    theirs, ours = saved.get("model_shape", {}), checkpointing.model_shape(args)
+    different = [key for key in ours if key in theirs and theirs[key] != ours[key]
+                 and key not in ("vocab_size", "padded_vocab_size")]
+    if different:
+        parser = build_parser()
+        fixes = [flag_giving(parser, key, theirs[key], ours[key], theirs) for key in different]
+        raise HeteroError(
+            f"the checkpoint in {directory} is of another model ("
+            + "; ".join(f"{key}: checkpoint {theirs[key]!r}, this run {ours[key]!r}" for key in different)
+            + f"); to resume it, give the flags that build its model: {', '.join(fixes)} (or point "
+            "--load at a checkpoint of this model)")
+
+
+def flag_giving(parser: argparse.ArgumentParser, field: str, value: Any, run_value: Any, shape: dict) -> str:
+    """The pretrain_gpt.py flag that sets a model field (ModelSpec's names, Megatron-LM's
+    dests) to ``value`` where this run has ``run_value``: "--hidden-size 64", "drop --swiglu"."""
+    if field == "params_dtype":
+        return f"--{value}" if value in ("bf16", "fp16") else f"drop --{run_value}"
+    action = next((a for a in parser._actions if a.dest == field and a.option_strings), None)
+    if action is None:
+        return f"{field} {value!r}"
+    flag = action.option_strings[0]
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        on = value if isinstance(action, argparse._StoreTrueAction) else not value
+        return flag if on else f"drop {flag}"
+    if value is None:
+        return f"drop {flag}"
+    if field == "num_query_groups" and value != shape.get("num_attention_heads"):
+        return f"--group-query-attention {flag} {value}"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | None]:
     """The plan file, or the uniform plan stock Megatron would run on this launch."""
+    split_flags = SplitFlags.of_args(args)  # Megatron-LM's uneven-pipeline flags
     if args.hetero_plan:
-        return Plan.load(args.hetero_plan), args.hetero_plan
+        plan = Plan.load(args.hetero_plan)
+        if args.num_layers is None or args.num_layers == plan.num_layers:  # else apply_plan names --num-layers
+            planned = [stage.virtual_stages or [stage.num_layers] for stage in plan.stages]
+            disagreement = split_disagreement(planned, plan.num_layers, split_flags)
+            if disagreement:
+                raise HeteroError(disagreement)
+        if args.use_tp_pp_dp_mapping and plan.rank_order != tp_pp_dp_rank_order(plan):
+            raise HeteroError(
+                f"--use-tp-pp-dp-mapping asks for Megatron-LM's tp-pp-dp rank order, and the plan's "
+                f"rank_order places the ranks otherwise; drop the flag (the plan's rank_order decides) "
+                f"or give the plan rank_order {tp_pp_dp_rank_order(plan)}")
+        return plan, args.hetero_plan
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
     if world_size % (tp * pp):
@@ -130,6 +252,15 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
     for flag in ("num_layers", "micro_batch_size", "global_batch_size"):
         if getattr(args, flag) is None:
             raise HeteroError(f"missing --{flag.replace('_', '-')} (or give a --hetero-plan)")
+    per_step = args.micro_batch_size * (world_size // (tp * pp))
+    if args.decrease_batch_size_if_needed and args.global_batch_size % per_step:
+        # As Megatron-LM's micro-batch calculator: down to a multiple of micro-batch x replicas.
+        decreased = args.global_batch_size // per_step * per_step
+        if decreased < 1:
+            raise HeteroError(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is "
+                              f"below one micro-batch per replica ({per_step}); raise it")
+        args.decreased_global_batch_size = (args.global_batch_size, decreased)
+        args.global_batch_size = decreased
     unplanned = DeviceEntry(host="unplanned", device_type="unplanned", vendor="unplanned")
     plan = Plan.uniform(
         tensor_parallel=tp,
@@ -139,8 +270,29 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
         num_layers=args.num_layers,
         global_batch_size=args.global_batch_size,
         devices=[unplanned] * world_size,
+        expert_parallel=args.expert_model_parallel_size or 1,
+        expert_tensor_parallel=args.expert_tensor_parallel_size,
+        split_flags=split_flags,
     )
+    if args.use_tp_pp_dp_mapping:
+        plan = plan.model_copy(update={"rank_order": tp_pp_dp_rank_order(plan)})
     return plan, None
+
+
+def tp_pp_dp_rank_order(plan: Plan) -> list[int]:
+    """Megatron-LM's --use-tp-pp-dp-mapping as a plan's rank_order: launch rank
+    tp + TP * (pp + PP * dp) plays tensor rank tp of replica dp in stage pp (megatron-core's
+    order "tp-pp-dp" instead of its default, tensor then data then pipeline)."""
+    if plan.per_stage_tensor_parallel:
+        raise HeteroError("--use-tp-pp-dp-mapping needs one tensor-parallel degree for every stage "
+                          "(Megatron-LM's grid); drop the flag: the plan's rank_order places the ranks")
+    tp, pp = plan.tensor_parallel, plan.pipeline_parallel
+    order = [0] * plan.world_size
+    for stage in range(pp):
+        for replica in range(plan.data_parallel):
+            for rank in range(tp):
+                order[plan.rank_at(rank, replica, stage)] = rank + tp * (stage + pp * replica)
+    return order
 
 
 def model_args(flags: Sequence[str], tensor_parallel: int = 1) -> argparse.Namespace:
@@ -186,6 +338,7 @@ def init_distributed(args: argparse.Namespace, plan: Plan, plan_source: str | No
         timedelta(minutes=args.distributed_timeout_minutes),
         check_devices=plan_source is not None,  # the uniform plan expects no device
         sequence_parallel=args.sequence_parallel,
+        group_options=distributed.group_options(args),
     )
 
 
@@ -199,12 +352,15 @@ def build_tokenizer(args: argparse.Namespace, plan: Plan | None = None) -> Any:
 
     built = data.build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(built.vocab_size, args)
+    args.tokenizer_vocab_size = built.vocab_size  # before padding: names the padding flag a checkpoint needs
     planned_vocab = plan.model.vocab_size if plan is not None and plan.model is not None else None
     if planned_vocab is not None and planned_vocab != args.padded_vocab_size:
+        divisor = vocab_divisor_giving(planned_vocab, built.vocab_size, args)
+        fix = (f"--make-vocab-size-divisible-by {divisor} pads it to the plan's" if divisor is not None else
+               f"regenerate the plan with hetero-plan --vocab-size {args.padded_vocab_size}")
         raise HeteroError(
             f"the plan was made for a vocabulary of {planned_vocab}, this run pads its tokenizer's "
-            f"{built.vocab_size} to {args.padded_vocab_size}; regenerate the plan with "
-            f"hetero-plan --vocab-size {args.padded_vocab_size}"
+            f"{built.vocab_size} to {args.padded_vocab_size}; {fix}"
         )
     return built
 

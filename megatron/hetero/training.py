@@ -11,11 +11,14 @@ import argparse
 import contextlib
 import gc
 import logging
+import os
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -24,7 +27,7 @@ import torch
 from hetero import events
 from hetero.errors import HeteroError
 from hetero.plan import Plan
-from megatron.hetero.patches import import_megatron_core
+from megatron.hetero.patches import disable_jit_fuser, import_megatron_core
 
 import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
@@ -40,11 +43,13 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.hetero import adapt, data, distributed, startup
+from megatron.hetero.arguments import config_from_flags
 from megatron.core.timers import Timers
 from megatron.hetero.cpu_device import substitution_note
 from megatron.hetero.batch_schedule import BatchSchedule
 from megatron.hetero.checkpointing import (
     finalize_pending_saves,
+    floating_point_operations_so_far,
     iteration_dir,
     latest_iteration,
     load_checkpoint,
@@ -61,6 +66,7 @@ from megatron.hetero.log import (
     print_all,
     print_rank_0,
     print_rank_last,
+    ProgressLog,
 )
 from megatron.hetero.metrics import MetricsWriter
 from megatron.hetero.model import (
@@ -74,9 +80,17 @@ from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.watchdog import Watchdog
 
 
-def set_random_seed(seed: int) -> None:
+def rank_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init: bool = False) -> int:
+    """Megatron-LM's seed of a rank: a stream per pipeline stage, and with
+    --data-parallel-random-init one per data-parallel replica too (their dropout differs;
+    their weights stay replica 0's)."""
+    return seed + 100 * pp_rank + (10 * dp_rank if data_parallel_random_init else 0)
+
+
+def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
     """Megatron-LM's seeding: a different stream per pipeline stage, RNG tracker for TP."""
-    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    seed = rank_seed(seed, parallel_state.get_pipeline_model_parallel_rank(),
+                     parallel_state.get_data_parallel_rank(), data_parallel_random_init)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -118,6 +132,100 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
+def checked_forward_step(data_iterator, model):
+    """forward_step whose loss function stops the run on a NaN or Inf loss before the data-
+    parallel reduction, as Megatron-LM's loss_func does unless --no-check-for-nan-in-loss-and-grad."""
+    output, loss_of = forward_step(data_iterator, model)
+    return output, partial(_finite_loss, loss_of)
+
+
+def forward_step_for(args: argparse.Namespace) -> Callable:
+    """The forward step the schedule runs: loss-checked unless --no-check-for-nan-in-loss-and-grad."""
+    return checked_forward_step if args.check_for_nan_in_loss_and_grad else forward_step
+
+
+def _finite_loss(loss_of: Callable, output_tensor: torch.Tensor):
+    loss, num_tokens, report = loss_of(output_tensor)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for kind, bad in (("NaN", torch.isnan), ("Inf", torch.isinf)):
+        if bad(loss).any():
+            raise HeteroError(
+                f"found {kind} in local forward loss calculation on rank {rank}; "
+                "lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)")
+    return loss, num_tokens, report
+
+
+def update_process_group_timeouts(seconds: int) -> None:
+    """--distributed-timeout-seconds-after-init: every process group's timeout from now on
+    (megatron-core's update_pg_timeout, without its CUDA synchronisation, so that the CPU's
+    gloo groups take it too)."""
+    from datetime import timedelta
+
+    c10d = torch.distributed.distributed_c10d
+    torch.distributed.barrier()
+    groups = [None, *(getattr(parallel_state, "_global_process_group_list", None) or [])]
+    for group in groups:
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def synchronize_device() -> None:
+    """--train-sync-interval: the host waits for the accelerator's queued work (the CPU has
+    none, so nothing to wait for)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class ProfilingWindow:
+    """--profile: Megatron-LM's profiling of iterations --profile-step-start to
+    --profile-step-end on the ranks --profile-ranks: torch.profiler with
+    --use-pytorch-profiler (its trace written to --tensorboard-dir), else CUDA's profiler API
+    for an nsys capture range (GPUs only)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.active = args.profile and torch.distributed.get_rank() in args.profile_ranks
+        self.profiler = None
+        self.nvtx = None
+        if self.active and args.use_pytorch_profiler:
+            start, end = args.profile_step_start, args.profile_step_end
+            self.profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
+                                                 active=end - start, repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
+                record_shapes=True, with_stack=True)
+            self.profiler.start()
+
+    def before_iteration(self, iteration: int) -> None:
+        if not self.active:
+            return
+        if self.profiler is not None:
+            self.profiler.step()
+        elif iteration == self.args.profile_step_start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.nvtx.__enter__()
+
+    def after_iteration(self, iteration: int) -> None:
+        if not self.active or iteration != self.args.profile_step_end:
+            return
+        if self.profiler is not None:
+            self.profiler.stop()
+        else:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+            if self.nvtx is not None:
+                self.nvtx.__exit__(None, None, None)
+
+
+def dump_memory_snapshot(args: argparse.Namespace) -> None:
+    """--record-memory-history: the CUDA caching allocator's history, written to
+    --memory-snapshot-path by the last rank at each logging iteration (as Megatron-LM)."""
+    if args.record_memory_history and is_last_rank():
+        import pickle
+
+        with open(args.memory_snapshot_path, "wb") as handle:
+            pickle.dump(torch.cuda.memory._snapshot(), handle)
+
+
 def chunk_data_iterators(data_iterator, num_chunks: int):
     """The schedule's data: one iterator, or with virtual stages one per model chunk, where
     only the chunk holding the model's first (embedding) or last (loss) layers reads."""
@@ -133,6 +241,48 @@ def sync_params_now(model_chunks: list, args: argparse.Namespace) -> None:
     if args.overlap_param_gather:
         for chunk in model_chunks:
             chunk.start_param_sync(force_sync=True)
+
+
+def first_differing_replica(hashes_per_replica: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(replica, parameter index) of the first replica whose parameter hashes (one row per
+    parameter) differ from replica 0's, or None when every replica holds the same weights."""
+    for replica, hashes in enumerate(hashes_per_replica[1:], start=1):
+        differing = (hashes != hashes_per_replica[0]).any(dim=1).nonzero()
+        if len(differing):
+            return replica, int(differing[0])
+    return None
+
+
+def check_weights_match_across_replicas(model_chunks: list, args: argparse.Namespace, iteration: int) -> None:
+    """--check-weight-hash-across-dp-replicas-interval: a hash of every parameter compared
+    across the data-parallel replicas (expert parameters across the expert-data-parallel
+    ones), as Megatron-LM does; a replica that differs is an error naming it on every rank."""
+    import hashlib
+
+    sync_params_now(model_chunks, args)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    named = [(name, param) for chunk in model_chunks for name, param in chunk.named_parameters()]
+    for expert, group_of in ((False, parallel_state.get_data_parallel_group),
+                             (True, parallel_state.get_expert_data_parallel_group)):
+        params = [(name, p) for name, p in named if getattr(p, "allreduce", True) != expert]
+        if not params:
+            continue
+        group = group_of()
+        local = torch.stack([torch.frombuffer(bytearray(hashlib.sha256(
+            p.detach().float().cpu().numpy().tobytes()).digest()), dtype=torch.uint8) for _, p in params]).to(device)
+        gathered = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(gathered, local, group=group)
+        mismatch = first_differing_replica([h.cpu() for h in gathered])
+        if mismatch is not None:
+            replica, index = mismatch
+            kind = "expert-data-parallel" if expert else "data-parallel"
+            raise HeteroError(
+                f"weights differ across {kind} replicas after iteration {iteration}: replica {replica} "
+                f"(rank {torch.distributed.get_global_rank(group, replica)}) holds another {params[index][0]} than "
+                "replica 0; the replicas diverged (a nondeterministic kernel or a failed reduction) - resume "
+                "from the last checkpoint")
+    torch.distributed.barrier()
+    print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
 
 
 @contextlib.contextmanager
@@ -159,7 +309,8 @@ def build_optimizer(
     timers: Timers | None = None
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(
+        config_from_flags(  # every honoured OptimizerConfig flag, as Megatron-LM; these win
+            OptimizerConfig, args,
             optimizer=args.optimizer,
             lr=args.lr,
             min_lr=args.min_lr,
@@ -184,6 +335,8 @@ def build_optimizer(
             timers=timers,
         ),
         model_chunks,
+        # --dump-param-to-param-group-map: megatron-core writes each parameter's group there.
+        dump_param_to_param_group_map=args.dump_param_to_param_group_map,
     )
     return optimizer, build_scheduler(args, plan, optimizer)
 
@@ -220,8 +373,10 @@ def build_scheduler(args: argparse.Namespace, plan: Plan, optimizer) -> Optimize
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         # With --use-checkpoint-opt_param-scheduler Megatron-LM resumes the checkpoint's
         # schedule; without it, it stops on an assertion when the flags' schedule differs.
-        # Here the checkpoint's schedule is resumed in both cases (no traceback).
-        use_checkpoint_opt_param_scheduler=True,
+        # Here the checkpoint's schedule is resumed in both cases (no traceback), unless
+        # --override-opt_param-scheduler: then the flags' schedule wins, as in Megatron-LM.
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
         **scheduler_steps(args, plan.global_batch_size),
     )
 
@@ -286,12 +441,15 @@ class Trainer:
         self.eval_plan = plan  # evaluation keeps the split its data iterators were made with
         self.exit_requested = exit_requested  # --exit-signal-handler: agreed by all ranks
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
-        self.model = model_chunks[0]  # checkpoints: one chunk (virtual stages are refused there)
         self.schedule, self.timers, self.metrics, self.moe = schedule, timers, metrics, moe
         self.spec = model_spec(args)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.forward_backward = get_forward_backward_func()
+        self.forward_step = forward_step_for(args)
         self.start_time = start_time or time.time()
+        self.progress: ProgressLog | None = None  # --log-progress
+        self.operations_this_job = 0.0  # floating-point operations trained since the start
+        self.valid_iters: int | None = None  # --full-validation: the whole split's iterations
 
     def _reduce_losses(self, losses_per_micro_batch: list[dict]) -> dict[str, float]:
         """Token-weighted mean over every replica's micro-batches (known on the last stage)."""
@@ -306,7 +464,7 @@ class Trainer:
 
     def _run_schedule(self, data_iterator, num_micro_batches: int, forward_only: bool) -> dict[str, float]:
         losses = self.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=self.forward_step,
             data_iterator=chunk_data_iterators(data_iterator, len(self.model_chunks)),
             model=self.model_chunks,
             num_microbatches=num_micro_batches,
@@ -342,9 +500,10 @@ class Trainer:
         return losses, grad_norm, not update_successful, num_zeros
 
     @torch.no_grad()
-    def evaluate(self, data_iterator) -> dict[str, float]:
-        """--eval-iters iterations of the plan's global batch, forward only."""
+    def evaluate(self, data_iterator, iterations: int | None = None) -> dict[str, float]:
+        """--eval-iters (or ``iterations``) iterations of the plan's global batch, forward only."""
         args = self.args
+        iterations = iterations or args.eval_iters
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
         totals: dict[str, float] = {}
@@ -352,7 +511,7 @@ class Trainer:
         with gathered_params(self.model_chunks, args):
             for chunk in self.model_chunks:
                 chunk.eval()
-            for _ in range(args.eval_iters):
+            for _ in range(iterations):
                 for key, value in self._run_schedule(data_iterator, num_micro_batches,
                                                      forward_only=True).items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -362,24 +521,31 @@ class Trainer:
                 chunk.train()
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
-        return {k: v / args.eval_iters for k, v in totals.items()}
+        return {k: v / iterations for k, v in totals.items()}
 
     def evaluate_and_print(self, data_iterator, iteration: int, consumed_samples: int,
                            split: str = "validation") -> None:
-        losses = self.evaluate(data_iterator)
+        losses = self.evaluate(data_iterator, self.valid_iters if split == "validation" else None)
         print_rank_last(evaluation_block(f"iteration {iteration} on {split} set", losses))
         if split == "validation":
             self.metrics.validation(iteration, consumed_samples, losses)
 
     def _params_norm(self) -> float:
-        """L2 norm of the whole model: each parameter counted once across TP and PP."""
-        squares = torch.zeros(1, dtype=torch.float64)
+        """L2 norm of the whole model: each parameter counted once across TP and PP, and each
+        expert once across the expert-parallel ranks that share them out (as Megatron-LM:
+        expert parameters, marked allreduce=False, are summed over the expert tensor, model
+        and pipeline ranks, the others over the tensor and pipeline ranks)."""
+        dense, experts = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         sync_params_now(self.model_chunks, self.args)
         for param in (p for chunk in self.model_chunks for p in chunk.parameters()):
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                squares = experts if not getattr(param, "allreduce", True) else dense
                 squares += param.detach().double().pow(2).sum().cpu()
-        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-        return squares.sqrt().item()
+        torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        if self.args.num_experts is not None:
+            torch.distributed.all_reduce(
+                experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return (dense + experts).sqrt().item()
 
     def learning_rate(self) -> float:
         """The lr of the default parameter groups (not --decoupled-lr's), as Megatron-LM logs it."""
@@ -471,7 +637,10 @@ class Trainer:
         iteration = start_iteration
         consumed = self.schedule.consumed_samples(start_iteration)
         train_iterator = train_data(start_iteration, self.schedule)
+        timeouts_updated = False
+        profiling = ProfilingWindow(args)
         while iteration < args.train_iters:
+            profiling.before_iteration(iteration)
             tracing = TRACE.enabled and iteration + 1 == TRACE.iteration
             if tracing:
                 torch.distributed.barrier()
@@ -480,9 +649,29 @@ class Trainer:
                 finalize_pending_saves(blocking=False)
             start = time.perf_counter()
             global_batch_size = self.schedule.global_batch_size(consumed)
+            if iteration in args.iterations_to_skip:
+                # As Megatron-LM: the batch is read past, no update, no log; the next
+                # iteration reads the batch after it.
+                print_rank_0(f"skipping iteration {iteration + 1} (--iterations-to-skip)")
+                iteration += 1
+                consumed += global_batch_size
+                train_iterator = train_data(iteration, self.schedule)
+                continue
             losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator, global_batch_size)
+            self.operations_this_job += self.spec.training_flops(global_batch_size)
             iteration += 1
+            profiling.after_iteration(iteration)
             consumed += global_batch_size
+            if args.distributed_timeout_seconds_after_init is not None and not timeouts_updated:
+                # As Megatron-LM: after the first iteration, which runs longest (compilation,
+                # allocation), the shorter timeout catches a hang sooner.
+                update_process_group_timeouts(args.distributed_timeout_seconds_after_init)
+                timeouts_updated = True
+            if args.train_sync_interval and iteration % args.train_sync_interval == 0:
+                synchronize_device()
+            interval = args.check_weight_hash_across_dp_replicas_interval
+            if interval is not None and iteration % interval == 0:
+                check_weights_match_across_replicas(self.model_chunks, args, iteration)
             if tracing:
                 TRACE.end(self.ctx.logical_rank, self._trace_facts())
             saved = False
@@ -497,6 +686,8 @@ class Trainer:
                 stats.add_losses(losses)
                 stats.nan += int(any(v != v for v in losses.values()))
             logging_now = iteration % args.log_interval == 0
+            if logging_now or iteration == start_iteration + 1:
+                dump_memory_snapshot(args)
             params_norm = None
             if logging_now:
                 params_norm = self._log(iteration, stats, grad_norm, num_zeros, global_batch_size, consumed)
@@ -513,13 +704,18 @@ class Trainer:
                         parallel_state.get_tensor_model_parallel_rank() == 0
                     ):
                         memory = memory_stats(self.ctx.logical_rank, iteration)
-                        print_all(memory_line(memory))
+                        line = memory_line(memory)
+                        if args.log_device_memory_used:  # as Megatron-LM: every process's use of the GPU
+                            line += f" | total device memory used: {torch.cuda.device_memory_used() / 2**20:.2f}"
+                        print_all(line)
                         events.emit(memory)
             if evaluate and iteration % args.eval_interval == 0:
                 self.evaluate_and_print(valid_iterator, iteration, consumed)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.save(iteration)
                 saved = True
+            elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+                self.save_non_persistent(iteration)
             if self.exit_requested is not None and self.exit_requested():
                 if args.save and not saved:
                     self.save(iteration)
@@ -554,10 +750,32 @@ class Trainer:
                 "dp_rank": parallel_state.get_data_parallel_rank(),
                 "host": device.host, "device_type": device.device_type}
 
-    def save(self, iteration: int) -> None:
+    def save_non_persistent(self, iteration: int) -> None:
+        """--non-persistent-save-interval: Megatron-LM's global non-persistent checkpoint, in
+        --non-persistent-global-ckpt-dir (default SAVE/non_persistent), where only the newest stays."""
+        root = non_persistent_dir(self.args, self.args.save)
+        self.save(iteration, root, progress=False)
+        if torch.distributed.get_rank() == 0:
+            for older in Path(root).glob("iter_*"):
+                if older.name != iteration_dir(root, iteration).name and older.name[len("iter_"):].isdigit():
+                    shutil.rmtree(older, ignore_errors=True)
+
+    def save(self, iteration: int, root: str | None = None, progress: bool = True) -> None:
         sync_params_now(self.model_chunks, self.args)
-        save_checkpoint(self.args.save, iteration, self.model, self.optimizer, self.scheduler,
+        root, retain = root or self.args.save, self.args.save_retain_interval
+        previous = latest_iteration(root) if retain is not None and Path(root).is_dir() else None
+        save_checkpoint(root, iteration, self.model_chunks, self.optimizer, self.scheduler,
                         self.args, self.plan)
+        if previous and previous != iteration and previous % retain and torch.distributed.get_rank() == 0:
+            # --save-retain-interval, as Megatron-LM: the checkpoint this one replaces goes unless
+            # it falls on the interval (a symbolic link is kept: someone put it there).
+            old = iteration_dir(root, previous)
+            if not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+                print_rank_0(f"  deleted checkpoint from iteration {previous:7d} at {root} (--save-retain-interval)")
+        if self.progress is not None and progress:
+            self.progress.checkpoint_saved(iteration, self.progress.operations_at_start + self.operations_this_job,
+                                           self.schedule.consumed_samples(iteration) * self.args.seq_length)
 
 
 # ----- the run ----------------------------------------------------------------------------
@@ -630,15 +848,53 @@ def _resume_hint(args: argparse.Namespace) -> str:
             f"--load {root} (re-plan with hetero-plan first if the cluster changed).")
 
 
+def non_persistent_dir(args: argparse.Namespace, root: str | None) -> str | None:
+    """Where global non-persistent checkpoints go: --non-persistent-global-ckpt-dir, else
+    non_persistent under root (--save when saving, --load when loading), as Megatron-LM."""
+    if args.non_persistent_global_ckpt_dir or root is None:
+        return args.non_persistent_global_ckpt_dir
+    return os.path.join(root, "non_persistent")
+
+
+def checkpoint_to_load(args: argparse.Namespace) -> str | None:
+    """--load (or its non-persistent checkpoint, where that one is at least as new), or
+    --pretrained-checkpoint while --load holds no checkpoint: then the weights are fine-tuned
+    from it (--finetune), as Megatron-LM does."""
+    persistent = latest_iteration(args.load) if args.load else None
+    transient_dir = non_persistent_dir(args, args.load) if args.non_persistent_ckpt_type else None
+    if transient_dir and args.ckpt_step is None and Path(transient_dir).is_dir():
+        transient = latest_iteration(transient_dir)
+        if transient is not None and (persistent is None or transient >= persistent):
+            print_rank_0(f"loading the non-persistent checkpoint of iteration {transient} from {transient_dir}")
+            return transient_dir
+    if args.pretrained_checkpoint is None or persistent is not None:
+        return args.load
+    if latest_iteration(args.pretrained_checkpoint) is None:
+        raise HeteroError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there"
+                          + (f" (nor in --load {args.load})" if args.load else "")
+                          + "; give the --save directory of the run to start from")
+    print_rank_0(f"no checkpoint in --load {args.load}: fine-tuning from --pretrained-checkpoint "
+                 f"{args.pretrained_checkpoint}")
+    args.finetune = True
+    return args.pretrained_checkpoint
+
+
 def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: RankContext,
            patches: list[str], start_time: float,
            exit_requested: Callable[[], bool] | None) -> None:
     schedule = BatchSchedule(plan, args.rampup_batch_size)
     _print_setup(args, plan, plan_source, patches, schedule)
-    set_random_seed(args.seed)
+    if args.disable_jit_fuser:
+        disable_jit_fuser()
+    load_dir = checkpoint_to_load(args)
+    if load_dir and (args.exit_on_missing_checkpoint or args.ckpt_convert_format) and latest_iteration(load_dir) is None:
+        # As Megatron-LM: a job meant to resume ends (successfully) instead of starting afresh.
+        print_rank_0(f">> '--exit-on-missing-checkpoint' set ... no checkpoint in {load_dir}, exiting.")
+        return
+    set_random_seed(args.seed, args.data_parallel_random_init)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
-    timers = Timers(args.timing_log_level, "minmax")
+    timers = Timers(args.timing_log_level, args.timing_log_option)
 
     print_rank_0(f"> building {args.tokenizer_type} tokenizer ...")
     tokenizer = startup.build_tokenizer(args, plan)  # pads the vocabulary, checks the plan's
@@ -649,6 +905,8 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     )
 
     print_rank_0("building GPT model ...")
+    if args.record_memory_history:  # as Megatron-LM's model provider: from before the model on
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
     config, model_chunks = startup.build_model(args, plan, timers)
     if parallel_state.get_data_parallel_rank() == 0:
         print_all(
@@ -674,12 +932,32 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     trainer = Trainer(args, plan, ctx, model_chunks, optimizer, scheduler, schedule, timers, metrics,
                       moe, start_time, exit_requested, adapter)
     start_iteration = 0
-    if args.load:
-        start_iteration, _ = load_checkpoint(args.load, model_chunks[0], optimizer, scheduler, args)
-    do_valid = args.eval_iters > 0 and valid_ds is not None
+    if load_dir:
+        start_iteration, _ = load_checkpoint(load_dir, model_chunks, optimizer, scheduler, args)
+    if args.ckpt_convert_format is not None:
+        # As Megatron-LM: the loaded checkpoint written again in the format asked for, then exit.
+        target = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+        trainer.save(start_iteration, target)
+        print_rank_0(f"> converted checkpoint: {load_dir} -> {target} ({args.ckpt_convert_format}).")
+        return
+    if args.check_weight_hash_across_dp_replicas_interval is not None:  # as Megatron-LM, before training
+        check_weights_match_across_replicas(model_chunks, args, start_iteration)
+    if args.log_progress and args.save:
+        trainer.progress = ProgressLog(args.save, plan.world_size, floating_point_operations_so_far())
+        trainer.progress.job_started()
+    do_valid = (args.full_validation or args.eval_iters > 0) and valid_ds is not None
+    repeat_after = None
+    if args.full_validation and valid_ds is not None:
+        trainer.valid_iters = data.full_validation_iters(args, len(valid_ds))
+        repeat_after = trainer.valid_iters * plan.global_batch_size
+        print_rank_0(f"> full validation: {repeat_after} samples of the validation split, "
+                     f"{trainer.valid_iters} iterations per evaluation")
     # The data position follows from the iteration: iteration i reads the i-th global batch.
+    # --dataloader-type cyclic: every split's samples go round in a new order each pass.
+    cyclic_seed = args.seed if args.dataloader_type == "cyclic" else None
     valid_iterator = data.micro_batch_iterator(
-        valid_ds, plan, args.num_workers, start_iteration=(start_iteration // args.eval_interval) * args.eval_iters)
+        valid_ds, plan, args.num_workers, start_iteration=(start_iteration // args.eval_interval) * args.eval_iters,
+        cyclic_seed=None if repeat_after else cyclic_seed, repeat_after=repeat_after)
     if args.skip_train:
         print_rank_0("skipping training (--skip-train) ...")
         iteration, saved, exited_early = start_iteration, True, False
@@ -687,7 +965,8 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
         iteration, saved = trainer.train(
             start_iteration,
             lambda start, current: data.micro_batch_iterator(
-                train_ds, current.plan, args.num_workers, start_iteration=start, schedule=current),
+                train_ds, current.plan, args.num_workers, start_iteration=start, schedule=current,
+                cyclic_seed=cyclic_seed),
             valid_iterator,
             do_valid,
         )
@@ -703,6 +982,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
         if do_valid and (args.skip_train or iteration % args.eval_interval):
             trainer.evaluate_and_print(valid_iterator, iteration, consumed)
         if args.eval_iters > 0 and test_ds is not None:
-            trainer.evaluate_and_print(data.micro_batch_iterator(test_ds, plan, args.num_workers),
+            trainer.evaluate_and_print(data.micro_batch_iterator(test_ds, plan, args.num_workers,
+                                                                 cyclic_seed=cyclic_seed),
                                        iteration, consumed, split="test")
     metrics.close()

@@ -12,6 +12,7 @@ depend on how far the table is padded.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Callable, Iterator
 
 import torch
@@ -23,6 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _VOCAB_ROW_BLOCK = 64
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)\.|(\.experts\.linear_fc[12]\.weight)(\d+)$")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -38,11 +40,24 @@ def global_parameter_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.
     if decoder is not None:
         for local_index, layer in enumerate(decoder.layers):
             layer_names[f"decoder.layers.{local_index}."] = f"decoder.layers.{layer.layer_number - 1}."
+    # Expert parallelism: this rank holds the experts from ep_rank x (its expert count) on,
+    # numbered from 0 in the names (SequentialMLP's local_experts.<i>, a grouped MLP's weight<i>).
+    experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
+    offset = (experts // parallel_state.get_expert_model_parallel_world_size()
+              * parallel_state.get_expert_model_parallel_rank()) if experts else 0
+
+    def global_expert(match: re.Match) -> str:
+        if match.group(1):
+            return f"{match.group(1)}{offset + int(match.group(2))}."
+        return f"{match.group(3)}{offset + int(match.group(4))}"
+
     for name, param in model.named_parameters():
         for local, global_ in layer_names.items():
             if name.startswith(local):
                 name = global_ + name[len(local):]
                 break
+        if offset and is_expert(name):
+            name = _LOCAL_EXPERT.sub(global_expert, name)
         yield name, param
 
 
@@ -86,24 +101,40 @@ def tensor_parallel_shard(
     return torch.cat(pieces[rank::world], dim=partition_dim)
 
 
-def _local_shard(full: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+def is_expert(name: str) -> bool:
+    """Whether a parameter belongs to a routed expert (not a shared expert, not the router)."""
+    return ".mlp.experts." in name
+
+
+def _tensor_parallel(param: torch.nn.Parameter, expert: bool) -> tuple[int, int]:
+    """(rank, size) of the group that splits param: an expert's is the expert
+    tensor-parallel group (--expert-tensor-parallel-size), which may differ from the
+    tensor-parallel group."""
+    if expert:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _local_shard(full: torch.Tensor, param: torch.nn.Parameter, expert: bool) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
+    rank, world = _tensor_parallel(param, expert)
     return tensor_parallel_shard(
         full,
         partition_dim=dim,
         shard_size=param.shape[dim],
         stride=getattr(param, "partition_stride", 1),
-        rank=parallel_state.get_tensor_model_parallel_rank(),
-        world=parallel_state.get_tensor_model_parallel_world_size(),
+        rank=rank,
+        world=world,
     )
 
 
-def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+def _full_shape(param: torch.nn.Parameter, expert: bool) -> tuple[int, ...]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+        shape[param.partition_dim] *= _tensor_parallel(param, expert)[1]
     return tuple(shape)
 
 
@@ -121,7 +152,8 @@ def initialize_plan_independent(model: torch.nn.Module, config: TransformerConfi
             continue
         if name == "output_layer.weight" and shares_embedding:
             name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied table
-        full = draw_full(name, _full_shape(param), seed, _init_method_for(name, config))
-        param.copy_(_local_shard(full, param).to(param.dtype))
+        expert = is_expert(name)
+        full = draw_full(name, _full_shape(param, expert), seed, _init_method_for(name, config))
+        param.copy_(_local_shard(full, param, expert).to(param.dtype))
         drawn += 1
     return drawn

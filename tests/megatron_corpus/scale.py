@@ -4,16 +4,26 @@ recipe gives them (GPU-only kernel choices are the runtime's to substitute on th
 
 1. Layout (kept): TP, PP, CP, EP, virtual stages as the recipe sets them; the launch has
    TP x PP x CP x DP processes, DP = EP where the recipe spreads experts (megatron-core
-   places expert groups inside data parallelism), else 1.
+   places expert groups inside data parallelism), else 1; twice that where TP x PP x CP x
+   EP is at most 2 (Megatron-LM's CI runs the recipes on 8 GPUs, so they train data-parallel
+   there too; the launch stays at 4 processes at most).
 2. Sizes: heads 4 (2 x TP past TP 2), 16 channels a head (hidden = 16 x heads); query
    groups max(2, TP) where the recipe groups queries; FFN 2 x hidden; MoE FFN and shared
-   expert = hidden; experts max(4, EP, top-k); layers PP x virtual stages (at least 2),
-   one layer a virtual stage where the recipe counts layers per virtual stage; sequence 32;
-   micro-batch at most 2, micro-batches max(2, PP) a replica; vocabulary 1000.
+   expert = hidden; experts max(4, EP, top-k); layers 2 a (virtual) stage, so that a plan
+   can move one between stages (plans.py), at least 2 - one a virtual stage where the recipe
+   counts layers per virtual stage, 1 on a stage --decoder-first/last-pipeline-num-layers
+   names, one fewer on the stage where --account-for-embedding/loss-in-pipeline-split counts
+   the embedding or the loss as a layer (the recipe's uneven split stays uneven); the
+   recipe's own count where its --pipeline-model-parallel-layout places every layer;
+   sequence 32; micro-batch at most 2, micro-batches max(2, PP) a replica; vocabulary 1000.
 3. Length: 3 iterations (3 global batches of samples); decay over them, warm-up 1; log
    every iteration, evaluate at 2 on 1 batch (none where the recipe evaluates none).
 4. Data and files: --data-path -> --mock-data; tokenizer files of the recipe's type built
-   tiny (tests/tiny_tokenizers.py); every ${VARIABLE} path -> a folder of the test's.
+   tiny (tests/tiny_tokenizers.py); every ${VARIABLE} path -> a folder of the test's;
+   Weights & Biases offline (WANDB_MODE=offline, set by report.py).
+
+Each recipe also runs under a heterogeneous plan of the same layout, made from these flags
+by the one rule in plans.py.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tiny_tokenizers
+from hetero.pipeline_layout import parse_layout
 
 SEQ = 32
 VOCAB = 1000
@@ -41,7 +52,10 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return max(1, self.ep)
+        # Megatron-LM's CI runs these recipes on 8 GPUs, so data parallelism is part of their
+        # layout; kept (at 2) where the launch stays at 4 processes or fewer.
+        model_parallel = self.tp * self.pp * self.cp * max(1, self.ep)
+        return max(1, self.ep) * (2 if model_parallel <= 2 else 1)
 
     @property
     def world_size(self) -> int:
@@ -63,16 +77,40 @@ def _int(flags: dict[str, str | None], flag: str, default: int) -> int:
         return default
 
 
+def layout_stages(text: str) -> list[str]:
+    """The (virtual) stages of a --pipeline-model-parallel-layout, in model order, as
+    megatron-core reads it (hetero.pipeline_layout.parse_layout); the recipe's shell escapes
+    (backslashes) dropped."""
+    return parse_layout(text.replace("\\", ""))
+
+
 def layout_of(pairs: list[list[str]]) -> Layout:
     flags = {p[0]: (p[1] if len(p) > 1 else None) for p in pairs}
     pp = _int(flags, "--pipeline-model-parallel-size", 1)
     virtual = _int(flags, "--num-virtual-stages-per-pipeline-rank", 1)
+    if flags.get("--pipeline-model-parallel-layout"):
+        virtual = max(1, len(layout_stages(flags["--pipeline-model-parallel-layout"])) // pp)
     per_stage = _int(flags, "--num-layers-per-virtual-pipeline-stage", 0)
     if per_stage:
         virtual = max(1, _int(flags, "--num-layers", pp) // (pp * per_stage))
     return Layout(tp=_int(flags, "--tensor-model-parallel-size", 1), pp=pp,
                   cp=_int(flags, "--context-parallel-size", 1),
                   ep=_int(flags, "--expert-model-parallel-size", 1), virtual=virtual)
+
+
+def _num_layers(flags: dict[str, str | None], lay: Layout) -> int:
+    """Rule 2's layers: 2 a (virtual) stage but where the recipe fixes a stage's count."""
+    chunks = lay.pp * lay.virtual
+    if flags.get("--pipeline-model-parallel-layout"):  # the layout places every layer itself
+        return sum(stage.count("t") for stage in layout_stages(flags["--pipeline-model-parallel-layout"]))
+    if "--num-layers-per-virtual-pipeline-stage" in flags:
+        return max(2, chunks)
+    if chunks == 1:
+        return 2
+    pinned_to_one = [f for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                                 "--account-for-embedding-in-pipeline-split",
+                                 "--account-for-loss-in-pipeline-split") if f in flags]
+    return 2 * chunks - len(pinned_to_one)
 
 
 def sizes(pairs: list[list[str]]) -> dict[str, str]:
@@ -83,8 +121,9 @@ def sizes(pairs: list[list[str]]) -> dict[str, str]:
     hidden = 16 * heads
     topk = _int(flags, "--moe-router-topk", 2)
     micro = min(2, _int(flags, "--micro-batch-size", 1))
-    global_batch = micro * lay.dp * max(2, lay.pp)
-    layers = max(2, lay.pp * lay.virtual)
+    per_replica = max(2, lay.pp)
+    global_batch = micro * lay.dp * per_replica
+    layers = _num_layers(flags, lay)
     warmup_samples = global_batch if _int(flags, "--lr-warmup-samples", 0) else 0
     return {
         "--num-layers": str(layers), "--hidden-size": str(hidden),
@@ -94,6 +133,7 @@ def sizes(pairs: list[list[str]]) -> dict[str, str]:
         "--moe-shared-expert-intermediate-size": str(hidden),
         "--num-experts": str(max(4, lay.ep, topk)),
         "--num-layers-per-virtual-pipeline-stage": "1",
+        "--decoder-first-pipeline-num-layers": "1", "--decoder-last-pipeline-num-layers": "1",
         "--seq-length": str(SEQ), "--max-position-embeddings": str(SEQ),
         "--vocab-size": str(VOCAB), "--micro-batch-size": str(micro),
         "--global-batch-size": str(global_batch),
@@ -104,7 +144,7 @@ def sizes(pairs: list[list[str]]) -> dict[str, str]:
         "--lr-wsd-decay-iters": "1", "--exit-interval": str(ITERS),
         "--log-interval": "1", "--eval-interval": "2",
         "--eval-iters": "0" if flags.get("--eval-iters") == "0" else "1",
-        "--save-interval": "1000", "--num-workers": "0", "--seed": "1234",
+        "--save-interval": "1000", "--save-retain-interval": "1000", "--num-workers": "0", "--seed": "1234",
         "--inference-max-seq-length": str(SEQ),
     }
 
@@ -119,6 +159,8 @@ def scale_down(pairs: list[list[str]], workdir: Path) -> list[str]:
         flag, value = pair[0], (pair[1] if len(pair) > 1 else None)
         if flag == "--data-path":
             out.append("--mock-data")
+        elif flag == "--pipeline-model-parallel-layout" and value is not None:
+            out += [flag, value.replace("\\", "")]  # the shell escapes of the CI's YAML
         elif flag in files:
             out += [flag, files[flag]]
         elif flag in table and value is not None:
@@ -140,5 +182,5 @@ def check_divisible(layout: Layout, argv: list[str]) -> None:
     if "--num-attention-heads" not in values:  # a recipe without MODEL_ARGS: nothing scaled
         return
     heads = int(values["--num-attention-heads"])
-    assert heads % layout.tp == 0 and int(values["--num-layers"]) % (layout.pp * layout.virtual) == 0
+    assert heads % layout.tp == 0
     assert math.gcd(heads, layout.tp) == layout.tp

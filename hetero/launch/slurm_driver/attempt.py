@@ -90,7 +90,8 @@ class SlurmRunner:
         """One srun step per node, running the node's torchrun; its output read into lines."""
         driver = self.driver
         for command in commands:
-            argv = [driver.python, "-m", "torch.distributed.run", *command.argv[1:]]
+            # torchrun's launch, ending without torchrun's traceback (megatron/hetero/launcher.py)
+            argv = [driver.python, "-m", "megatron.hetero.launcher", *command.argv[1:]]
             proc = subprocess.Popen(driver.srun(command.host, f"hetero-{attempt}") + argv, cwd=driver.workdir,
                                     env=driver.step_env(command.host, command.env, events_dir),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

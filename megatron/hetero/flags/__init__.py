@@ -12,13 +12,15 @@ Each flag has exactly one status (``rules``):
 A refused flag given with Megatron-LM's default value asks for nothing Megatron-LM would do
 differently without it (``--context-parallel-size 1``), so it is accepted as a no-op.
 
-Modules: ``facts`` (Megatron-LM's flags), ``catalog`` (our rulings on the flags arguments.py
+Modules: ``facts`` (Megatron-LM's flags), ``reads`` (where Megatron-LM's pretrain_gpt.py reads
+each; the no-op rule), ``declare`` (honoured flags declared from the facts), ``catalog`` (our rulings on the flags arguments.py
 does not honour), ``rules`` (each flag's status), ``parsing`` (the parser side: recording,
 judging a command line), ``typos`` ("did you mean"), ``docs`` (docs/flags.md and the counts).
 Nothing here imports torch or megatron-core.
 """
 
 from megatron.hetero.flags.catalog import DEFAULT_DIFFERENCES, HETERO_FLAGS
+from megatron.hetero.flags.declare import declare
 from megatron.hetero.flags.docs import FlagCounts, flag_counts, markdown, readme_block
 from megatron.hetero.flags.facts import FACTS_FILE, MegatronFlag, megatron_flags, megatron_tag
 from megatron.hetero.flags.parsing import (
@@ -27,6 +29,7 @@ from megatron.hetero.flags.parsing import (
     add_megatron_flags,
     default_differences,
     defined_options,
+    honoured_dests,
     judge,
     refusal_error,
     refused_values,
@@ -37,7 +40,7 @@ from megatron.hetero.flags.typos import is_typo, suggest, unknown_flag_messages
 __all__ = [
     "DEFAULT_DIFFERENCES", "FACTS_FILE", "GIVEN", "HETERO_FLAGS", "FlagCounts", "MegatronFlag",
     "Ruling", "Status", "Verdict", "add_megatron_flags", "check_registry", "counts",
-    "default_differences", "defined_options", "flag_counts", "is_typo", "judge", "markdown",
+    "declare", "default_differences", "defined_options", "flag_counts", "honoured_dests", "is_typo", "judge", "markdown",
     "megatron_flags", "megatron_tag", "readme_block", "refusal_error", "refused_values",
     "rulings", "suggest", "unknown_flag_messages",
 ]

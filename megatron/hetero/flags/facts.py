@@ -1,6 +1,6 @@
 """Megatron-LM's flags as its own parser defines them at the pinned tag.
 
-megatron_lm_flags.json (next to this file) is written by tools/extract_megatron_flags.py
+hetero/spec/megatron_lm_flags.json is written by tools/extract_megatron_flags.py
 from Megatron-LM's parser: names, defaults, value kinds, groups; never help texts or code.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FACTS_FILE = Path(__file__).with_name("megatron_lm_flags.json")
+FACTS_FILE = Path(__file__).parents[3] / "hetero" / "spec" / "megatron_lm_flags.json"  # shared with hetero-plan
 
 
 @dataclass(frozen=True)

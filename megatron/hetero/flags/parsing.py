@@ -25,6 +25,11 @@ def defined_options(parser: argparse.ArgumentParser) -> set[str]:
     return {s for a in parser._actions if not isinstance(a, _RecordFlag) for s in a.option_strings}
 
 
+def honoured_dests(parser: argparse.ArgumentParser) -> set[str]:
+    """The dests of the flags the parser honours."""
+    return {a.dest for a in parser._actions if a.option_strings and not isinstance(a, _RecordFlag)}
+
+
 class _RecordFlag(argparse.Action):
     """Parses a non-honoured flag with Megatron-LM's syntax and records that it was given."""
 
@@ -196,11 +201,11 @@ def refusal_error(refused: list[str], unknown: list[str]) -> HeteroError:
     if not refused:
         return HeteroError(
             "; ".join(unknown) + ". Megatron-Hetero takes the flags listed by "
-            "`pretrain_gpt.py --help` and docs/flags.md; remove or correct the flag.")
+            "`pretrain_gpt.py --help` (`--help-all`: every flag) and docs/flags.md; remove or correct the flag.")
     return HeteroError(
         f"{len(refused + unknown)} flag(s) Megatron-Hetero cannot run:\n  "
         + "\n  ".join(refused + unknown)
-        + "\n(`pretrain_gpt.py --help` and docs/flags.md list every Megatron-LM flag with its status)")
+        + "\n(`pretrain_gpt.py --help-all` and docs/flags.md list every Megatron-LM flag with its status)")
 
 
 def _same_default(ours: argparse.Action, flag: MegatronFlag) -> bool:

@@ -1,8 +1,9 @@
 """Each Megatron-LM flag's status: honoured, no-op or refused, and why.
 
 honoured: arguments.py defines it, with Megatron-LM's meaning and default (every value of it
-runs). no-op: catalog.NOOPS. refused: a theme of the catalog, or catalog.DEFAULT_ONLY (defined
-by arguments.py, but only Megatron-LM's default value runs).
+runs). no-op: catalog.NOOPS, or a flag Megatron-LM's pretrain_gpt.py never reads (``reads``:
+read nowhere, or only under a refused switch). refused: a theme of the catalog, or
+catalog.DEFAULT_ONLY (defined by arguments.py, but only Megatron-LM's default value runs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import functools
 from dataclasses import dataclass
 
 from megatron.hetero.flags import catalog
-from megatron.hetero.flags.facts import MegatronFlag, megatron_flags
+from megatron.hetero.flags.facts import MegatronFlag, megatron_flags, megatron_tag
+from megatron.hetero.flags.reads import unread_reason
 
 
 class Status(str, enum.Enum):
@@ -51,7 +53,7 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
     check_registry(honoured)
     flags = megatron_flags()
     themes = catalog.theme_of_flags({f.name: f.group for f in flags})
-    noops = catalog.noops()
+    noops = {**unread_flags(honoured), **catalog.noops()}
     result = {}
     for flag in flags:
         name = flag.name
@@ -70,14 +72,47 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
     return result
 
 
+def refused_switches(honoured: set[str] | frozenset[str]) -> dict[str, str]:
+    """dest -> name of the flags the catalog refuses whatever happens (listed under a theme or
+    in another program's group, not honoured) that are off unless given."""
+    flags = megatron_flags()
+    themes = catalog.theme_of_flags({f.name: f.group for f in flags})
+    noops = catalog.noops()
+    return {f.dest: f.name for f in flags if f.name in themes and f.name not in noops
+            and not honoured & set(f.option_strings) and not f.default}
+
+
+@functools.cache
+def _unread_flags(honoured: frozenset[str]) -> dict[str, str]:
+    switches = refused_switches(honoured)
+    found = {}
+    for flag in megatron_flags():
+        if honoured & set(flag.option_strings) or flag.name in catalog.DEFAULT_ONLY:
+            continue
+        reason = unread_reason(flag, switches, megatron_tag())
+        if reason is not None:
+            found[flag.name] = reason
+    return found
+
+
+def unread_flags(honoured: set[str] | frozenset[str]) -> dict[str, str]:
+    """Flags Megatron-LM's pretrain_gpt.py never acts on (flags/reads.py): name -> why."""
+    return dict(_unread_flags(frozenset(honoured)))
+
+
 def check_registry(honoured: set[str]) -> None:
     """One status per flag: a flag both honoured and catalogued, or neither, is a bug."""
     flags = megatron_flags()
+    unread = unread_flags(honoured)
     listed = set(catalog.theme_of_flags({})) | set(catalog.noops())
     # Flags of other programs' groups are refused whole, unless arguments.py honours one.
-    catalogued = listed | set(catalog.theme_of_flags({f.name: f.group for f in flags}))
+    catalogued = listed | set(catalog.theme_of_flags({f.name: f.group for f in flags})) | set(unread)
     defined = {f.name for f in flags if honoured & set(f.option_strings)}
     problems = []
+    themed = sorted(set(catalog.theme_of_flags({})) & set(unread))
+    if themed:
+        problems.append(f"listed under a theme of flags/catalog.py, but Megatron-LM's pretrain_gpt.py "
+                        f"never acts on it (a no-op by flags/reads.py; delete the entry): {', '.join(themed)}")
     if duplicates := catalog.duplicate_entries():
         problems.append(f"listed twice in flags/catalog.py: {', '.join(duplicates)}")
     both = sorted(defined & listed)

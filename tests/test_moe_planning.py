@@ -1,0 +1,166 @@
+"""Mixtures of experts on the planning side: Megatron-LM's FLOPs, the presets' published
+sizes, expert parallelism in the predictor, the fast estimate and hetero-plan."""
+
+import ast
+import json
+import subprocess
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from hetero.cli import main
+from hetero.plan import DeviceEntry, Plan
+from hetero.predict.predictor import predict
+from hetero.search.expert_parallel import with_expert_parallel
+from hetero.search.options import PlannerOptions
+from hetero.search.planner import Planner
+from hetero.spec.cluster import Cluster
+from hetero.spec.model import PRESETS, ModelSpec
+
+REPO = Path(__file__).resolve().parent.parent
+MOE_CLUSTER = REPO / "examples" / "clusters" / "moe_h100_a100.yaml"
+MEGATRON_LM = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+
+
+def _megatron_flops_function():
+    """Megatron-LM's own num_floating_point_operations at the pinned tag, from a local
+    mirror of its repository (the function is read, not copied into this project)."""
+    try:
+        source = subprocess.run(
+            ["git", "--git-dir", str(MEGATRON_LM), "show", "core_v0.16.1:megatron/training/training.py"],
+            capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no local mirror of Megatron-LM to read num_floating_point_operations from")
+    tree = ast.parse(source)
+    function = next(n for n in tree.body
+                    if isinstance(n, ast.FunctionDef) and n.name == "num_floating_point_operations")
+    namespace = {"is_linear_attention_variant": lambda variant: False}
+    exec(compile(ast.Module([function], []), "training.py", "exec"), namespace)
+    return namespace["num_floating_point_operations"]
+
+
+def _megatron_args(model: ModelSpec) -> Namespace:
+    return Namespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        seq_length=model.seq_length, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
+        num_query_groups=model.num_query_groups, group_query_attention=not model.multi_latent_attention,
+        swiglu=model.swiglu, padded_vocab_size=model.vocab_size, num_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk, moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_layer_freq=list(model.moe_layer_freq) if isinstance(model.moe_layer_freq, tuple) else model.moe_layer_freq,
+        mtp_num_layers=model.mtp_num_layers, multi_latent_attention=model.multi_latent_attention,
+        q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+        attention_output_gate=False, experimental_attention_variant=None, is_hybrid_model=False,
+        moe_latent_size=None)
+
+
+def test_flops_are_megatron_lms_for_moe_mla_and_mtp():
+    megatron_flops = _megatron_flops_function()
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "deepseek-v3-proxy", "llama3-70b"):
+        model = PRESETS[name]
+        assert model.training_flops(4) == pytest.approx(megatron_flops(_megatron_args(model), 4), rel=1e-9), name
+    # every other layer MoE, as --moe-layer-freq 2 says
+    alternating = ModelSpec(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=1024,
+                            swiglu=True, num_experts=4, moe_router_topk=2, moe_layer_freq=2)
+    assert alternating.moe_layer_pattern() == (1, 0, 1, 0)
+    assert alternating.training_flops(2) == pytest.approx(megatron_flops(_megatron_args(alternating), 2), rel=1e-9)
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9),    # Mixtral of Experts, section 2
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),    # Qwen3 technical report, table 2
+    ("deepseek-v3", 671e9, 37e9),        # DeepSeek-V3 report, abstract (without the MTP module)
+])
+def test_presets_have_their_published_sizes(name, total, active):
+    model = PRESETS[name]
+    assert model.total_params() - model.mtp_params() == pytest.approx(total, rel=0.01)
+    routed_unused = (model.num_layers * model.moe_layer_fraction * (model.num_experts - model.moe_router_topk)
+                     * model.expert_params() / (model.moe_layer_fraction * model.num_experts))
+    assert model.total_params() - model.mtp_params() - routed_unused == pytest.approx(active, rel=0.06)
+
+
+def test_moe_fields_round_trip_through_megatron_args_and_dicts():
+    model = PRESETS["deepseek-v3"]
+    args = vars(_megatron_args(model)) | {
+        "untie_embeddings_and_output_weights": True, "add_bias_linear": False, "normalization": "RMSNorm",
+        "position_embedding_type": "rope", "group_query_attention": False}
+    assert ModelSpec.from_megatron_args(args) == model
+    assert ModelSpec(**model.to_dict()) == model
+    assert "multi_latent_attention" not in PRESETS["llama3-8b"].to_dict()
+
+
+def _devices(cluster: Cluster, hosts: list[str]) -> list[DeviceEntry]:
+    return [DeviceEntry(host=h, device_type=cluster.node(h).device.name, vendor="nvidia")
+            for h in hosts for _ in range(cluster.node(h).count)]
+
+
+def _mixtral_plan(expert_parallel: int, hosts: list[str]) -> tuple[Plan, Cluster]:
+    """TP 2, one 8-GPU node per pipeline stage (4 stages), so each stage's 8 ranks are 4 replicas."""
+    cluster = Cluster.load(MOE_CLUSTER)
+    plan = Plan.uniform(tensor_parallel=2, pipeline_parallel=4, data_parallel=4, micro_batch_size=1,
+                        num_layers=32, global_batch_size=64, devices=_devices(cluster, hosts))
+    return with_expert_parallel(plan, expert_parallel), cluster
+
+
+def test_expert_parallel_shares_out_experts_and_pays_its_all_to_alls():
+    planner = Planner(Cluster.load(MOE_CLUSTER), PRESETS["mixtral-8x7b"], 64, PlannerOptions(expert_parallel=(1,)))
+    costs = planner.costs_for(2)
+    plain, cluster = _mixtral_plan(1, ["h100-0", "h100-1", "h100-2", "h100-3"])
+    within, _ = _mixtral_plan(4, ["h100-0", "h100-1", "h100-2", "h100-3"])
+    one, four = predict(plain, cluster, costs), predict(within, cluster, costs)
+    # experts / EP per rank: memory falls by 3/4 of the experts' weights, gradients and state
+    assert four.peak_memory_gib["H100-80GB"] < one.peak_memory_gib["H100-80GB"] - 10
+    # the all-to-alls run in every MoE layer of every micro-batch, inside the node here
+    exchange = costs.with_experts(4, 1).expert_exchange_s(("h100-0",) * 4, 2, 1)
+    assert exchange > 0 and costs.expert_exchange_s(("h100-0",) * 4, 2, 1) > 0
+    layer = costs.with_experts(4, 1).layer_cost("H100-80GB", "h100-0", 2, 1)
+    bare = costs.with_experts(4, 1).layer_times("H100-80GB", 2, 1)
+    assert layer.forward_s - bare[0] >= exchange
+    # a group spread over two fabrics pays the Ethernet between them
+    assert costs.expert_exchange_s(("h100-0", "h100-0", "a100-0", "a100-0"), 2, 1) > 5 * exchange
+
+
+def test_replicas_of_an_expert_group_get_equal_micro_batch_counts():
+    cluster = Cluster.load(MOE_CLUSTER)
+    plan = Plan.uniform(tensor_parallel=4, pipeline_parallel=1, data_parallel=4, micro_batch_size=1,
+                        num_layers=32, global_batch_size=40, devices=_devices(cluster, ["h100-0", "a100-0"]))
+    data = plan.to_dict()
+    for replica, count in zip(data["replicas"], (13, 13, 7, 7)):
+        replica["num_micro_batches"] = count
+    uneven = Plan.from_dict(data)
+    assert [r.num_micro_batches for r in with_expert_parallel(uneven, 8).replicas] == [13, 13, 7, 7]
+    data["replicas"] = [dict(r, num_micro_batches=n) for r, n in zip(data["replicas"], (14, 12, 7, 7))]
+    evened = with_expert_parallel(Plan.from_dict(data), 8)  # EP 8 x ETP 1 binds replicas 0-1 and 2-3
+    assert [r.num_micro_batches for r in evened.replicas] == [13, 13, 7, 7]
+    assert with_expert_parallel(uneven, 3) is None  # 3 does not divide a stage's 16 ranks
+
+
+def test_fast_estimate_of_an_expert_parallel_plan_agrees_with_the_predictor():
+    cluster = Cluster.load(MOE_CLUSTER)
+    planner = Planner(cluster, PRESETS["mixtral-8x7b"], 64, PlannerOptions(expert_parallel=(1,)))
+    for ep in (1, 4, 8):
+        plan, _ = _mixtral_plan(ep, ["h100-0", "h100-1", "a100-0", "a100-1"])
+        fits, seconds = planner.estimate(plan)
+        prediction = predict(plan, cluster, planner.costs_for(2))
+        assert fits == prediction.fits
+        assert seconds == pytest.approx(prediction.iteration_time_s, rel=0.1), ep
+
+
+def test_hetero_plan_picks_expert_parallelism_for_moe_on_a_mixed_cluster(tmp_path, capsys):
+    for model, expect_ep in (("mixtral-8x7b", True), ("qwen3-30b-a3b", False)):
+        out = tmp_path / f"{model}.json"
+        start = time.process_time()  # CPU time: other processes on a shared machine do not count
+        assert main(["--cluster", str(MOE_CLUSTER), "--model", model, "--global-batch-size", "256",
+                     "--seq-length", "4096", "-o", str(out)]) == 0
+        assert time.process_time() - start < 5  # search, Megatron baseline and upper bound
+        plan = Plan.load(out)
+        chosen = json.loads(out.read_text()).get("expert_parallel", 1)
+        assert plan.expert_parallel == chosen
+        if expect_ep:
+            assert plan.expert_parallel > 1
+        for block in plan.expert_replica_blocks():
+            assert len({plan.replicas[r].num_micro_batches for r in block}) == 1
+    capsys.readouterr()
