@@ -27,6 +27,24 @@ def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
+def layer_list_value(text: str):
+    """The value of Megatron-LM's per-layer list syntax ("([0]*3+[1]*58)": integers and
+    lists joined with + and *), computed by walking the expression, never by eval. Raises
+    SyntaxError or ValueError for anything else."""
+
+    def read(node: ast.AST):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [read(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = read(node.left), read(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"unexpected {ast.unparse(node)!r}")
+
+    return read(ast.parse(text.strip(), mode="eval").body)
+
+
 def moe_layer_freq_of(value: int | str | list[int] | tuple[int, ...]) -> int | tuple[int, ...]:
     """--moe-layer-freq as Megatron-LM reads it: an integer k, or a Python list expression
     such as "([0]*3+[1]*58)" (lists of 0/1, repeated with * and joined with +), read here
@@ -36,18 +54,8 @@ def moe_layer_freq_of(value: int | str | list[int] | tuple[int, ...]) -> int | t
     if isinstance(value, int) or "[" not in str(value):
         return int(value)
 
-    def read(node: ast.AST) -> list[int] | int:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.List):
-            return [read(e) for e in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = read(node.left), read(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(ast.dump(node))
-
     try:
-        pattern = read(ast.parse(str(value), mode="eval").body)
+        pattern = layer_list_value(str(value))
     except (SyntaxError, ValueError, TypeError):
         pattern = None
     if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):

@@ -473,6 +473,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _loaded(root: str, iteration: int, common: dict, sizes, start: float,
+            args: argparse.Namespace) -> tuple[int, float]:
+    """What every load ends with (either format): the carried counters, Megatron-LM's line,
+    the event; the iteration to continue from (0 with --finetune) and the seconds taken."""
+    _carried["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0.0)
+    seconds = time.perf_counter() - start
+    print_rank_0(f"  successfully loaded checkpoint from {root} [ t {sizes[1]}, p {sizes[0]}, "
+                 f"d {sizes[2]} ] at iteration {iteration} ({seconds:.2f} s)")
+    if dist.get_rank() == 0:
+        events.emit(events.CheckpointLoaded(iteration=iteration, directory=str(root)))
+    return (0 if args.finetune else common["iteration"]), seconds
+
+
 def _load_legacy(root: str, directory: Path, iteration: int, model, optimizer, scheduler,
                  args: argparse.Namespace, start: float) -> tuple[int, float]:
     """Megatron-LM's legacy per-rank format (--ckpt-format torch): loaded under the layout
@@ -507,13 +520,7 @@ def _load_legacy(root: str, directory: Path, iteration: int, model, optimizer, s
     _raise_legacy_layout(directory, common, next((f for f in gathered if f), None))
     if rng is not None:
         _set_rng_state(rng)
-    _carried["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0.0)
-    seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully loaded checkpoint from {root} [ t {sizes[1]}, p {sizes[0]}, "
-                 f"d {sizes[2]} ] at iteration {iteration} ({seconds:.2f} s)")
-    if dist.get_rank() == 0:
-        events.emit(events.CheckpointLoaded(iteration=iteration, directory=str(root)))
-    return (0 if args.finetune else common["iteration"]), seconds
+    return _loaded(root, iteration, common, sizes, start, args)
 
 
 def _raise_legacy_layout(directory: Path, common: dict, problem: str | None) -> None:
@@ -708,10 +715,4 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
                      + (f", stage TP {theirs_tp}" if theirs_tp else "") + f"; this run is {sizes}"
                      + (f", stage TP {ours_tp}" if ours_tp else "") + ": tensors re-sharded, random streams "
                      "start from --seed")
-    _carried["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0.0)
-    seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully loaded checkpoint from {root} [ t {sizes[1]}, p {sizes[0]}, "
-                 f"d {sizes[2]} ] at iteration {iteration} ({seconds:.2f} s)")
-    if dist.get_rank() == 0:
-        events.emit(events.CheckpointLoaded(iteration=iteration, directory=str(root)))
-    return (0 if args.finetune else common["iteration"]), seconds
+    return _loaded(root, iteration, common, sizes, start, args)

@@ -9,10 +9,10 @@ and so does model.transformer_config.
 from __future__ import annotations
 
 import argparse
-import ast
 from typing import Any, Callable, Sequence
 
 from hetero.errors import HeteroError
+from hetero.spec.model import layer_list_value
 from megatron.hetero.flags.facts import MegatronFlag, megatron_flags
 
 
@@ -25,7 +25,7 @@ def layer_pattern(text: str | int) -> int | list[int]:
     if "[" not in text:
         return int(text)
     try:
-        value = _pattern_value(ast.parse(text.strip(), mode="eval").body)
+        value = layer_list_value(text)
     except (SyntaxError, ValueError) as error:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a layer pattern: give an integer, or a list expression of 0 and "
@@ -33,17 +33,6 @@ def layer_pattern(text: str | int) -> int | list[int]:
     if not isinstance(value, list):
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of layers")
     return value
-
-
-def _pattern_value(node: ast.expr) -> Any:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.List):
-        return [_pattern_value(element) for element in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _pattern_value(node.left), _pattern_value(node.right)
-        return left + right if isinstance(node.op, ast.Add) else left * right
-    raise ValueError(f"unexpected {ast.unparse(node)!r}")
 
 
 def int_tuple(text: str) -> tuple[int, ...]:
