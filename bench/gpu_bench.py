@@ -1,6 +1,6 @@
 """Megatron-Hetero on one real GPU: what the CPU suite cannot check.
 
-    python bench/gpu_bench.py --out DIR [--only gemm comm train]
+    python bench/gpu_bench.py --out DIR [--only gemm gemm8 comm parity moe train-moe train]
 
 1. gemm: matrix-multiply throughput by shape (bf16, cuBLAS through torch) as a fraction of
    the catalog's dense peak, beside what hetero/efficiency.py's curve for the device says.
@@ -16,7 +16,12 @@
    beside the predictor's, from the curve alone and from a profile of real layers taken
    first (megatron/hetero/profiling/compute.py).
 
-Writes DIR/gpu_bench.json and prints tables. Needs CUDA and a build of hetero_comm._comm_ext.
+5. gemm8, moe, train-moe (bench/gpu_moe.py): fp8 beside bf16 GEMMs on dense and expert
+   shapes (a loop of per-expert GEMMs against torch's grouped GEMMs); MoE loss and
+   load-balancing-loss parity, EP 1 on NCCL against EP 2 as two vendors on the bridge; a
+   Qwen3-30B-A3B-shaped MoE model's measured iteration time beside the predictor's.
+
+Writes DIR/gpu_bench.json (adding to what an earlier invocation wrote there) and prints tables. Needs CUDA and a build of hetero_comm._comm_ext.
 """
 
 from __future__ import annotations
@@ -39,8 +44,11 @@ import torch  # noqa: E402
 from hetero.env import EVENTS_DIR, VENDOR, per_local_rank_value, launch as launch_of_this_process  # noqa: E402
 from hetero.events import Iteration, Memory, iteration_times_s, of_kind, read_events  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))
+from gpu_moe import bench_gemm8, bench_moe  # noqa: E402
 
-DEVICE_TYPE = "H100-80GB"
+
+from gpu_moe import DEVICE_TYPE  # noqa: E402  (the GPU present, by its catalog name)
 MODEL_FLAGS = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
                "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size", "50257",
                "--bf16", "--attention-dropout", "0", "--hidden-dropout", "0"]
@@ -160,6 +168,15 @@ def comm_worker() -> None:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         check(f"send/recv {numel}", torch.equal(received.cpu(), xs[peer]))
+    # MoE's token exchange: all-to-all with uneven splits (rank r sends r + i + 1 rows to rank i).
+    for rows in (3, 40_001):
+        sends = [[torch.randn(r + i + 1, rows % 7 + 1, generator=torch.Generator().manual_seed(100 * r + i))
+                  for i in range(world)] for r in range(world)]
+        received = torch.empty(sum(s[rank].shape[0] for s in sends), rows % 7 + 1, device="cuda")
+        dist.all_to_all_single(received, torch.cat(sends[rank]).cuda(),
+                               output_split_sizes=[s[rank].shape[0] for s in sends],
+                               input_split_sizes=[x.shape[0] for x in sends[rank]])
+        check(f"all_to_all_single {rows}", torch.equal(received.cpu(), torch.cat([s[rank] for s in sends])))
     mode = hetero_comm.describe(dist.group.WORLD)["mode"]
     dist.barrier()
     dist.destroy_process_group()
@@ -202,23 +219,36 @@ def parity_plan(pipeline: int, data: int, stages: list[int], replicas: list[int]
             "devices": [{"host": "gpu0", "device_type": DEVICE_TYPE, "vendor": v, "nic": "ib"} for v in vendors]}
 
 
-def losses_of(out: Path, name: str, plan: dict, backend: str) -> list[float]:
+def parity_command(out: Path, name: str, plan: dict, backend: str, flags: list[str]) -> tuple[list[str], dict, Path]:
+    """The torchrun command line, environment and events directory of one parity run."""
     path = out / f"parity_{name}.json"
     path.write_text(json.dumps(plan))
     vendors = [d["vendor"] for d in plan["devices"]]
     records = fresh_events_dir(out / f"parity_{name}.events")
     env = {**os.environ, VENDOR: per_local_rank_value(vendors, VENDOR), EVENTS_DIR: str(records)}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
-            "pretrain_gpt.py", "--hetero-plan", str(path), "--distributed-backend", backend, *PARITY_FLAGS,
-            *DATA_FLAGS]
+            "pretrain_gpt.py", "--hetero-plan", str(path), "--distributed-backend", backend, *flags, *DATA_FLAGS]
+    return argv, env, records
+
+
+def figures_of(out: Path, name: str, plan: dict, backend: str, flags: list[str]) -> dict[str, list[float]]:
+    """Runs one parity job; every loss of its iteration lines (lm loss, MoE's aux losses), by name."""
+    argv, env, records = parity_command(out, name, plan, backend, flags)
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     (out / f"parity_{name}.log").write_text(output)
-    losses = [e.losses["lm loss"] for e in of_kind(read_events(records), Iteration) if "lm loss" in e.losses]
-    if result.returncode != 0 or not losses:
+    figures: dict[str, list[float]] = {}
+    for event in of_kind(read_events(records), Iteration):
+        for loss, value in event.losses.items():
+            figures.setdefault(loss, []).append(value)
+    if result.returncode != 0 or not figures.get("lm loss"):
         print(output[-3000:])
         raise SystemExit(f"parity run {name} failed (exit {result.returncode})")
-    return losses
+    return figures
+
+
+def losses_of(out: Path, name: str, plan: dict, backend: str) -> list[float]:
+    return figures_of(out, name, plan, backend, PARITY_FLAGS)["lm loss"]
 
 
 def bench_parity(out: Path) -> dict:
@@ -250,7 +280,7 @@ def model_spec():
     return model_spec_of_flags(MODEL_FLAGS + DATA_FLAGS)
 
 
-def bench_train(out: Path) -> list[dict]:
+def bench_train(out: Path, cases: list[tuple[int, str]] = TRAIN_CASES) -> list[dict]:
     from hetero.predict.costs import CostModel, TrainingSetup
     from hetero.predict.memory import DEFAULT_OVERHEAD_GIB
     from hetero.plan import Plan
@@ -259,13 +289,13 @@ def bench_train(out: Path) -> list[dict]:
 
     profile_dir = out / "profiles"
     subprocess.run([sys.executable, "-m", "megatron.hetero.profiling.compute", "--device-type", DEVICE_TYPE,
-                    "-o", str(profile_dir), "--micro-batch-sizes", "1", "2", "4", "--", *MODEL_FLAGS, *DATA_FLAGS],
+                    "-o", str(profile_dir), "--micro-batch-sizes", *sorted({str(mb) for mb, _ in cases}), "--", *MODEL_FLAGS, *DATA_FLAGS],
                    cwd=REPO, check=True)
     cluster, spec, profiles = cluster_of_one(), model_spec(), Profiles.load_dir(profile_dir)
     rows = []
     print("| micro-batch | recompute | measured s | curve s (error) | profile s (error) | "
           "max allocated GiB | predicted GiB (no context) |\n|---|---|---:|---:|---:|---:|---:|")
-    for micro_batch, recompute in TRAIN_CASES:
+    for micro_batch, recompute in cases:
         devices = [{"host": "gpu0", "device_type": DEVICE_TYPE, "vendor": "nvidia", "nic": "ib"}]
         plan = Plan.from_dict({**Plan.uniform(tensor_parallel=1, pipeline_parallel=1, data_parallel=1,
                                               micro_batch_size=micro_batch, num_layers=spec.num_layers,
@@ -310,11 +340,52 @@ def bench_train(out: Path) -> list[dict]:
     return rows
 
 
+def bench_train_moe(out: Path) -> dict:
+    """The Qwen3-30B-A3B-shaped MoE case (bench/gpu_moe.py): measured against the predictor's
+    MoE terms (expert GEMMs at their row counts, permutation traffic, per-expert kernel gaps)."""
+    from gpu_moe import MOE_WARMUP, moe_train_argv, moe_train_prediction
+
+    plan_path, row = moe_train_prediction(out, DATA_FLAGS, cluster_of_one())
+    records = fresh_events_dir(out / "train_qwen3_moe.events")
+    result = subprocess.run(moe_train_argv(sys.executable, plan_path, DATA_FLAGS), cwd=REPO, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, EVENTS_DIR: str(records)})
+    output = result.stdout + result.stderr
+    (out / "train_qwen3_moe.log").write_text(output)
+    if result.returncode != 0:
+        print(output[-4000:])
+        return {**row, "failed": result.returncode}
+    recorded = read_events(records)
+    times = iteration_times_s(recorded)[MOE_WARMUP:]
+    allocated = [m.max_allocated_mb for m in of_kind(recorded, Memory) if m.max_allocated_mb is not None]
+    row.update(measured_s=statistics.median(times), spread=(max(times) - min(times)) / statistics.median(times),
+               measured_gib=allocated[-1] / 1024 if allocated else None)
+    print(f"Qwen3-30B-A3B-shaped MoE (4 layers, 16 experts top-8, seq 4096, mbs 1, global batch 4): measured "
+          f"{row['measured_s']:.3f} s/iter (spread {row['spread']:.0%}), predicted from the curve "
+          f"{row['curve_s']:.3f} ({row['curve_s'] / row['measured_s'] - 1:+.1%}); max allocated "
+          f"{row['measured_gib'] or float('nan'):.1f} GiB, predicted {row['predicted_gib']:.1f}", flush=True)
+    return row
+
+
+def train_case(text: str) -> tuple[int, str]:
+    """MB:RECOMPUTE of --train-cases, e.g. 4:full."""
+    micro_batch, _, recompute = text.partition(":")
+    if not micro_batch.isdigit() or int(micro_batch) < 1 or recompute not in RECOMPUTE_FLAGS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MICRO_BATCH:RECOMPUTE with a positive micro-batch "
+                                         f"size and recompute one of {sorted(RECOMPUTE_FLAGS)}, e.g. 4:full")
+    return int(micro_batch), recompute
+
+
+SECTIONS = ["gemm", "gemm8", "comm", "parity", "moe", "train-moe", "train"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/gpu_bench")
-    parser.add_argument("--only", nargs="+", choices=["gemm", "comm", "parity", "train"],
-                        default=["gemm", "comm", "parity", "train"])
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS,
+                        help="sections to run, in this order (default: all; train is the dense cases)")
+    parser.add_argument("--train-cases", nargs="+", type=train_case, default=TRAIN_CASES, metavar="MB:RECOMPUTE",
+                        help="the train section's runs, e.g. 2:none 4:full (default: "
+                        + " ".join(f"{mb}:{mode}" for mb, mode in TRAIN_CASES) + ")")
     parser.add_argument("--comm-worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.comm_worker:
@@ -325,12 +396,19 @@ def main() -> int:
         return 2
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    # Sections run one invocation at a time (bench/gpu_check.sh) add to the results already there.
+    path = out / "gpu_bench.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results.update(device=torch.cuda.get_device_name(0), torch=torch.__version__)
     print(f"{results['device']}, torch {results['torch']}")
-    steps = {"gemm": bench_gemm, "comm": bench_comm, "parity": lambda: bench_parity(out), "train": lambda: bench_train(out)}
+    steps = {"gemm": bench_gemm, "gemm8": bench_gemm8, "comm": bench_comm, "parity": lambda: bench_parity(out),
+             "moe": lambda: bench_moe(out, figures_of, parity_plan), "train-moe": lambda: bench_train_moe(out),
+             "train": lambda: bench_train(out, options.train_cases)}
     for name in options.only:
         results[name] = steps[name]()
-        (out / "gpu_bench.json").write_text(json.dumps(results, indent=1))
+        # Whole or not at all: the next invocation reads it, and a timeout may stop this one.
+        path.with_suffix(".tmp").write_text(json.dumps(results, indent=1))
+        os.replace(path.with_suffix(".tmp"), path)
     return 0
 
 

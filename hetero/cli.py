@@ -87,6 +87,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="the recipe sets hidden and attention dropout to 0 (no masks kept)")
     p.add_argument("--tensor-parallel", type=_int_list, default=None, help="degrees to try (default 1,2,4,8)")
     p.add_argument("--micro-batch-size", type=_int_list, default=None, help="sizes to try (default 1,2,4,8)")
+    p.add_argument("--expert-parallel", type=_int_list, default=None,
+                   help="mixtures of experts: expert-parallel degrees to try (default 1 and every divisor "
+                        "of the expert count that fits in one node)")
     p.add_argument("--objective", choices=["throughput", "cost", "energy"], default="throughput",
                    help="throughput: the most tokens/s; cost: the fewest $ per token (prices: the "
                         "cluster spec's prices_per_hour); energy: the fewest J per token (board power)")
@@ -150,7 +153,9 @@ def _search_options(args: argparse.Namespace, setup: TrainingSetup, **fixed) -> 
         recompute_modes=RECOMPUTE_MODES if recompute == "auto" else (recompute,),
         sequence_parallel={"auto": None, "on": True, "off": False}[sequence_parallel],
         virtual_stages=fixed.get("virtual_stages") or args.virtual_stages or (1, 2),
-        pipeline_parallel=fixed.get("pipeline_parallel"))
+        pipeline_parallel=fixed.get("pipeline_parallel"),
+        expert_parallel=fixed.get("expert_parallel") or args.expert_parallel,
+        expert_tensor_parallel=fixed.get("expert_tensor_parallel"))
 
 
 def _model_inputs(args: argparse.Namespace) -> _JobInputs:
@@ -179,6 +184,20 @@ def _fixed(option: str, ours: tuple[int, ...] | None, flag: str, theirs: int | N
         raise HeteroError(f"{option} {','.join(map(str, ours))} contradicts the flags' {flag} {theirs}; "
                           "give it in one place")
     return (theirs,)
+
+
+def _check_expert_tensor_parallel(job: FlagsJob, options: PlannerOptions) -> None:
+    """A fixed expert tensor-parallel degree the search can honour: at EP 1 megatron-core
+    trains experts correctly only when they are split like the rest of the layer (ETP = TP)."""
+    fixed = job.expert_tensor_parallel
+    if fixed is None or not job.model.is_moe or options.expert_parallel != (1,):
+        return
+    if fixed not in options.tensor_parallel:
+        raise HeteroError(
+            f"--expert-tensor-parallel-size {fixed} with --expert-model-parallel-size 1 must equal the "
+            f"tensor-parallel degree (megatron-core reduces expert gradients correctly only then), and the "
+            f"plan's TP is one of {','.join(map(str, options.tensor_parallel))}; set --expert-tensor-parallel-size "
+            "to the TP degree (or drop it), or raise --expert-model-parallel-size")
 
 
 def _flags_inputs(args: argparse.Namespace, job: FlagsJob) -> _JobInputs:
@@ -211,7 +230,11 @@ def _flags_inputs(args: argparse.Namespace, job: FlagsJob) -> _JobInputs:
         virtual_stages=_fixed("--virtual-stages", args.virtual_stages, "--num-virtual-stages-per-pipeline-rank",
                               job.virtual_stages),
         recompute=job.recompute, sequence_parallel="on" if job.sequence_parallel else None,
-        pipeline_parallel=(job.pipeline_parallel,) if job.pipeline_parallel else None)
+        pipeline_parallel=(job.pipeline_parallel,) if job.pipeline_parallel else None,
+        expert_parallel=_fixed("--expert-parallel", args.expert_parallel, "--expert-model-parallel-size",
+                               job.expert_parallel),
+        expert_tensor_parallel=job.expert_tensor_parallel)
+    _check_expert_tensor_parallel(job, options)
     return _JobInputs(job.model_for, global_batch, options, job.precision, job.pipeline_parallel, job.is_padding)
 
 

@@ -4,8 +4,9 @@ A plan fixes the parallel degrees (a tensor-parallel degree per stage from versi
 many decoder layers each pipeline stage holds (split into interleaved virtual stages, and
 recomputed per stage, from version 2), how many micro-batches each data-parallel replica
 runs per iteration, and which launched process plays which Megatron rank. Logical rank i
-follows Megatron's order (tensor fastest, then data, then pipeline; ``Plan.rank_at``), and
-launch rank ``rank_order[i]`` (torchrun's RANK, on ``devices[rank_order[i]]``) runs it.
+follows Megatron's order (tensor fastest, then context, then data, then pipeline;
+``Plan.rank_at``), and launch rank ``rank_order[i]`` (torchrun's RANK, on
+``devices[rank_order[i]]``) runs it.
 
 docs/plan-format.md is the reference: every field, the versions, the rank arithmetic and
 megatron-core's constraints on the interleaved schedule. The entries of the lists (stages,
@@ -43,11 +44,12 @@ SUPPORTED_VERSIONS = (1, 2, 3)
 
 @dataclass(frozen=True)
 class RankCoords:
-    """Where one logical rank sits in the (tensor, data, pipeline) grid."""
+    """Where one logical rank sits in the (tensor, context, data, pipeline) grid."""
 
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    cp_rank: int = 0
 
 
 class Plan(BaseModel):
@@ -69,6 +71,10 @@ class Plan(BaseModel):
     # megatron-core's default). Absent from plans without experts: those load with 1 and None.
     expert_parallel: Count = 1
     expert_tensor_parallel: Count | None = None
+    # Context parallelism: each replica's sequences split over context_parallel ranks per
+    # tensor rank (Megatron's order: tensor fastest, then context, then data, then pipeline).
+    # They run the replica's micro-batches together. Absent from plans without it: 1.
+    context_parallel: Count = 1
     # The job record (hetero/record.py): written by hetero-plan, absent from hand-written plans.
     model: ModelRecord | None = None
     training: TrainingRecord | None = None
@@ -93,6 +99,8 @@ class Plan(BaseModel):
         if len(self.devices) != world:
             grid = (f"data_parallel x sum of the stages' tensor_parallel {self.stage_tensor_parallel}"
                     if self.per_stage_tensor_parallel else "tensor_parallel x pipeline_parallel x data_parallel")
+            if self.context_parallel > 1:
+                grid = f"context_parallel x {grid}"
             problems.append(
                 f"devices has {len(self.devices)} entries but {grid} = {world}: give one entry per launch rank"
             )
@@ -128,12 +136,13 @@ class Plan(BaseModel):
                         "recomputes whole groups); use a divisor or the block method")
         problems += expert_parallel_problems(
             self.stage_tensor_parallel, [r.num_micro_batches for r in self.replicas],
-            self.expert_parallel, self.expert_tensor_parallel)
+            self.expert_parallel, self.expert_tensor_parallel, self.context_parallel)
         if self.expert_parallel > 1 and self.model is not None and (
                 self.model.num_experts is None or self.model.num_experts % self.expert_parallel):
             problems.append(
                 f"expert_parallel {self.expert_parallel} shares out each MoE layer's experts, but the "
                 f"model has {self.model.num_experts or 'no'} experts: use a divisor of the expert count")
+        problems += self._context_parallel_problems()
         if self.per_stage_tensor_parallel and self.virtual_pipeline_size is not None:
             problems.append(
                 f"stages give different tensor_parallel {self.stage_tensor_parallel} and virtual_stages: "
@@ -147,6 +156,22 @@ class Plan(BaseModel):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _context_parallel_problems(self) -> list[str]:
+        if self.context_parallel == 1:
+            return []
+        problems = []
+        if self.per_stage_tensor_parallel:
+            problems.append(
+                f"context_parallel {self.context_parallel} with a tensor_parallel per stage "
+                f"{self.stage_tensor_parallel}: activations crossing stages of different degrees are "
+                "re-sharded by tensor rank only, not by context rank; use one tensor_parallel degree")
+        if self.model is not None and self.model.seq_length % (2 * self.context_parallel):
+            problems.append(
+                f"context_parallel {self.context_parallel} cuts each sequence into "
+                f"{2 * self.context_parallel} equal chunks (Megatron's load-balanced causal split), "
+                f"but the model's seq_length is {self.model.seq_length}: use a divisor")
+        return problems
 
     # ----- loading and saving -------------------------------------------------------
 
@@ -194,8 +219,9 @@ class Plan(BaseModel):
     def to_dict(self) -> dict:
         """plan.json's content: layout fields without nulls, the record as given, unknown keys last."""
         data = self.model_dump(mode="json", exclude_none=True, exclude=set(SECTIONS))
-        if self.expert_parallel == 1:  # a plan without expert parallelism reads as before it existed
-            data.pop("expert_parallel")
+        for axis in ("expert_parallel", "context_parallel"):
+            if data[axis] == 1:  # a plan without the axis reads as before it existed
+                data.pop(axis)
         unknown = {key: data.pop(key) for key in self.model_extra or {} if key in data}
         for name in SECTIONS:
             section = getattr(self, name)
@@ -227,11 +253,11 @@ class Plan(BaseModel):
 
     def stage_offset(self, pp_rank: int) -> int:
         """The first logical rank of stage pp_rank."""
-        return self.data_parallel * sum(self.stage_tensor_parallel[:pp_rank])
+        return self.data_parallel * self.context_parallel * sum(self.stage_tensor_parallel[:pp_rank])
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * sum(self.stage_tensor_parallel)
+        return self.data_parallel * self.context_parallel * sum(self.stage_tensor_parallel)
 
     @property
     def num_layers(self) -> int:
@@ -255,32 +281,42 @@ class Plan(BaseModel):
         while logical_rank >= self.stage_offset(pp_rank + 1):
             pp_rank += 1
         tp, local = self.stage_tensor_parallel[pp_rank], logical_rank - self.stage_offset(pp_rank)
-        return RankCoords(tp_rank=local % tp, dp_rank=local // tp, pp_rank=pp_rank)
+        cp = self.context_parallel
+        return RankCoords(tp_rank=local % tp, dp_rank=local // (tp * cp), pp_rank=pp_rank, cp_rank=local // tp % cp)
 
-    def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        """The logical rank of tensor rank tp_rank of replica dp_rank in stage pp_rank."""
+    def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        """The logical rank of tensor rank tp_rank, context rank cp_rank of replica dp_rank in
+        stage pp_rank."""
         degrees = self.stage_tensor_parallel
-        if not (0 <= tp_rank < degrees[pp_rank] and 0 <= dp_rank < self.data_parallel):
-            raise ValueError(f"stage {pp_rank} has tensor ranks 0..{degrees[pp_rank] - 1} and replicas "
-                             f"0..{self.data_parallel - 1}; asked for ({tp_rank}, {dp_rank})")
-        return logical_rank_at(tp_rank, dp_rank, pp_rank, degrees, self.data_parallel)
+        if not (0 <= tp_rank < degrees[pp_rank] and 0 <= dp_rank < self.data_parallel
+                and 0 <= cp_rank < self.context_parallel):
+            raise ValueError(f"stage {pp_rank} has tensor ranks 0..{degrees[pp_rank] - 1}, context ranks "
+                             f"0..{self.context_parallel - 1} and replicas 0..{self.data_parallel - 1}; "
+                             f"asked for ({tp_rank}, {cp_rank}, {dp_rank})")
+        return logical_rank_at(tp_rank, dp_rank, pp_rank, degrees, self.data_parallel, cp_rank, self.context_parallel)
 
-    def tensor_group(self, dp_rank: int, pp_rank: int) -> list[int]:
-        """Logical ranks of one (replica, stage): its tensor-parallel group."""
-        return [self.rank_at(t, dp_rank, pp_rank) for t in range(self.stage_tensor_parallel[pp_rank])]
+    def tensor_group(self, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> list[int]:
+        """Logical ranks of one (replica, stage, context rank): its tensor-parallel group."""
+        return [self.rank_at(t, dp_rank, pp_rank, cp_rank) for t in range(self.stage_tensor_parallel[pp_rank])]
 
-    def data_group(self, tp_rank: int, pp_rank: int) -> list[int]:
-        """Logical ranks that reduce the same gradients: one per replica."""
-        return [self.rank_at(tp_rank, d, pp_rank) for d in range(self.data_parallel)]
+    def context_group(self, tp_rank: int, dp_rank: int, pp_rank: int) -> list[int]:
+        """Logical ranks that split the sequences of one replica: its context-parallel group."""
+        return [self.rank_at(tp_rank, dp_rank, pp_rank, c) for c in range(self.context_parallel)]
 
-    def pipeline_group(self, tp_rank: int, dp_rank: int) -> list[int]:
+    def data_group(self, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> list[int]:
+        """Logical ranks that hold the same weights and sequence chunks: one per replica (the
+        gradients reduce over these times the context group)."""
+        return [self.rank_at(tp_rank, d, pp_rank, cp_rank) for d in range(self.data_parallel)]
+
+    def pipeline_group(self, tp_rank: int, dp_rank: int, cp_rank: int = 0) -> list[int]:
         """Logical ranks of one replica's pipeline, stage by stage: tensor rank tp_rank of
         each stage (modulo a narrower stage's degree, whose rank then serves several)."""
-        return [self.rank_at(tp_rank % tp, dp_rank, s) for s, tp in enumerate(self.stage_tensor_parallel)]
+        return [self.rank_at(tp_rank % tp, dp_rank, s, cp_rank) for s, tp in enumerate(self.stage_tensor_parallel)]
 
     def replica_ranks(self, dp_rank: int) -> list[int]:
-        """Every logical rank of one replica (all its stages' tensor groups): its model-parallel group."""
-        return [r for s in range(self.pipeline_parallel) for r in self.tensor_group(dp_rank, s)]
+        """Every logical rank of one replica (all its stages' tensor and context groups)."""
+        return [r for s in range(self.pipeline_parallel) for c in range(self.context_parallel)
+                for r in self.tensor_group(dp_rank, s, c)]
 
     # ----- expert parallelism (megatron-core's expert grid, one per stage) -------------
 
@@ -290,7 +326,7 @@ class Plan(BaseModel):
 
     def stage_expert_data_parallel(self, pp_rank: int) -> int:
         """How many copies of each expert shard stage pp_rank holds: its ranks over EP x ETP."""
-        return (self.stage_tensor_parallel[pp_rank] * self.data_parallel
+        return (self.stage_tensor_parallel[pp_rank] * self.context_parallel * self.data_parallel
                 // (self.expert_parallel * self.stage_expert_tensor_parallel(pp_rank)))
 
     def expert_rank_at(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
@@ -329,8 +365,9 @@ class Plan(BaseModel):
             return replica
 
         for pp_rank, tensor_parallel in enumerate(self.stage_tensor_parallel):
+            per_replica = tensor_parallel * self.context_parallel  # a replica's ranks in the stage
             for group in self.expert_groups(pp_rank):
-                replicas = [(rank - self.stage_offset(pp_rank)) // tensor_parallel for rank in group]
+                replicas = [(rank - self.stage_offset(pp_rank)) // per_replica for rank in group]
                 for replica in replicas[1:]:
                     block_of[root(replica)] = root(replicas[0])
         blocks: dict[int, list[int]] = {}
@@ -425,6 +462,7 @@ class Plan(BaseModel):
         expert_parallel: int = 1,
         expert_tensor_parallel: int | None = None,
         split_flags: SplitFlags | None = None,
+        context_parallel: int = 1,
     ) -> "Plan":
         """The plan stock Megatron runs: equal replicas, launch-order ranks, and the stages
         (virtual stages included) Megatron-LM builds from its split flags, even without them."""
@@ -443,12 +481,12 @@ class Plan(BaseModel):
                 f"x data parallel ({micro_batch_size} x {data_parallel}); pass a --hetero-plan "
                 "with per-replica micro-batch counts"
             )
-        world = tensor_parallel * pipeline_parallel * data_parallel
+        world = tensor_parallel * context_parallel * pipeline_parallel * data_parallel
         if devices is None:
             devices = [DeviceEntry(host="localhost", device_type="cpu", vendor="cpu")] * world
         problems = expert_parallel_problems([tensor_parallel] * pipeline_parallel,
                                             [global_batch_size // per_replica] * data_parallel,
-                                            expert_parallel, expert_tensor_parallel)
+                                            expert_parallel, expert_tensor_parallel, context_parallel)
         if problems:  # in the flags' words: this layout comes from them
             raise PlanError("the expert layout of --expert-model-parallel-size / --expert-tensor-parallel-size: "
                             + "; ".join(problems))
@@ -467,6 +505,7 @@ class Plan(BaseModel):
                 devices=list(devices),
                 expert_parallel=expert_parallel,
                 expert_tensor_parallel=expert_tensor_parallel,
+                context_parallel=context_parallel,
             )
         except ValidationError as err:  # in the words of the flags this layout comes from
             raise PlanError(describe_validation_error(
@@ -482,6 +521,8 @@ class Plan(BaseModel):
               else str(self.tensor_parallel))
         if self.expert_parallel > 1 or self.expert_tensor_parallel is not None:
             tp += f" EP={self.expert_parallel} ETP={self.expert_tensor_parallel or tp}"
+        if self.context_parallel > 1:
+            tp += f" CP={self.context_parallel}"
         return (
             f"TP={tp} PP={self.pipeline_parallel} DP={self.data_parallel} "
             f"micro-batch={self.micro_batch_size} layers per stage=[{stages}] "
@@ -490,13 +531,14 @@ class Plan(BaseModel):
 
 
 def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: int | Sequence[int],
-                    data_parallel: int) -> int:
-    """Megatron's default order: tensor fastest, then data, then pipeline; with a degree per
-    stage (tensor_parallel a list), stage s starts after the ranks of the stages before it.
-    For code that builds a plan's rank_order before the plan exists (placement); everyone
-    else asks the Plan."""
+                    data_parallel: int, cp_rank: int = 0, context_parallel: int = 1) -> int:
+    """Megatron's default order: tensor fastest, then context, then data, then pipeline; with
+    a degree per stage (tensor_parallel a list), stage s starts after the ranks of the stages
+    before it. For code that builds a plan's rank_order before the plan exists (placement);
+    everyone else asks the Plan."""
     degrees = [tensor_parallel] * (pp_rank + 1) if isinstance(tensor_parallel, int) else tensor_parallel
-    return data_parallel * sum(degrees[:pp_rank]) + tp_rank + degrees[pp_rank] * dp_rank
+    return (data_parallel * context_parallel * sum(degrees[:pp_rank])
+            + tp_rank + degrees[pp_rank] * (cp_rank + context_parallel * dp_rank))
 
 
 def _split_in_equal_blocks(total: int, weights: list[int], blocks: list[list[int]],
@@ -534,11 +576,12 @@ def expert_local_rank(etp_rank: int, ep_rank: int, edp_rank: int, expert_tensor_
 
 
 def expert_parallel_problems(stage_tensor_parallel: Sequence[int], replica_micro_batches: Sequence[int],
-                             expert_parallel: int, expert_tensor_parallel: int | None = None) -> list[str]:
+                             expert_parallel: int, expert_tensor_parallel: int | None = None,
+                             context_parallel: int = 1) -> list[str]:
     """What is wrong with expert parallelism on this layout (empty: nothing), for Plan's
     validation and for a planner choosing replica shares before it builds a Plan.
 
-    Each stage's TP x DP ranks must split into EP x ETP blocks (megatron-core's expert grid).
+    Each stage's TP x CP x DP ranks must split into EP x ETP blocks (megatron-core's expert grid).
     Each expert model-parallel group runs an all-to-all in every micro-batch's forward and
     backward, so the replicas its ranks belong to must run equally many micro-batches; a
     replica with more would wait forever for the others' next all-to-all.
@@ -549,7 +592,8 @@ def expert_parallel_problems(stage_tensor_parallel: Sequence[int], replica_micro
     problems = []
     for pp_rank, tensor_parallel in enumerate(stage_tensor_parallel):
         etp = expert_tensor_parallel or tensor_parallel
-        ranks = tensor_parallel * data_parallel
+        per_replica = tensor_parallel * context_parallel  # a replica's ranks in the stage
+        ranks = per_replica * data_parallel
         if expert_parallel == 1 and etp != tensor_parallel:
             # megatron-core marks experts as expert-parallel parameters only with EP > 1; with
             # EP 1 their gradients are reduced over the data-parallel group alone, missing the
@@ -563,13 +607,14 @@ def expert_parallel_problems(stage_tensor_parallel: Sequence[int], replica_micro
             problems.append(
                 f"expert_parallel {expert_parallel} x expert_tensor_parallel {etp} = {expert_parallel * etp} "
                 f"does not divide stage {pp_rank}'s {ranks} ranks (tensor_parallel {tensor_parallel} x "
-                f"data_parallel {data_parallel}); choose degrees whose product divides it")
+                + (f"context_parallel {context_parallel} x " if context_parallel > 1 else "")
+                + f"data_parallel {data_parallel}); choose degrees whose product divides it")
             continue
         for edp_rank in range(ranks // (expert_parallel * etp)):
             for etp_rank in range(etp):
                 members = [expert_local_rank(etp_rank, e, edp_rank, etp, expert_parallel)
                            for e in range(expert_parallel)]
-                replicas = sorted({local // tensor_parallel for local in members})
+                replicas = sorted({local // per_replica for local in members})
                 counts = [replica_micro_batches[r] for r in replicas]
                 if len(set(counts)) > 1:
                     return problems + [

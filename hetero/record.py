@@ -170,6 +170,12 @@ class TrainingRecord(_Section):
     fused_softmax: bool | None = Field(default=None, description="null: as fused_kernels")
     tp_comm_overlap: bool = Field(default=False, description="tensor-parallel communication priced as overlapped "
                                   "with the GEMMs (--tp-comm-overlap); the runtime does not switch it on yet")
+    moe_dispatcher: Literal["alltoall", "flex"] = Field(
+        default="alltoall", description="the MoE token dispatcher priced (flex: DeepEP/HybridEP, a token "
+        "sent once per node; the runtime runs alltoall)")
+    moe_a2a_overlap: bool = Field(default=False, description="expert all-to-alls priced as overlapped with "
+                                  "another micro-batch's compute (--overlap-moe-expert-parallel-comm); the "
+                                  "runtime does not switch it on")
     precision_reason: str | None = Field(default=None, description="why this precision, for a person")
 
     JOB_FIELDS: ClassVar[tuple[str, ...]] = ("global_batch_size", "seq_length", "precision_reason")

@@ -335,3 +335,59 @@ def test_hetero_plan_tp_comm_overlap_is_recorded_and_priced(tmp_path):
         assert plan.training.tp_comm_overlap == bool(extra)
         times[bool(extra)] = plan.prediction.iteration_time_s
     assert times[True] < times[False]
+
+
+# ----- fp8 and the MoE dispatchers -----------------------------------------------------------
+
+def _dgx_h100(nodes: int) -> Cluster:
+    return Cluster.from_dict({"name": "dgx", "groups": [{"name": "g", "nodes": [
+        {"host": f"dgx{i}", "device": "H100-80GB", "count": 8, "intra_link": "nvlink4",
+         "nic": {"kind": "ib", "gbps": 3200}} for i in range(nodes)]}]})
+
+
+def test_fp8_prices_linear_gemms_at_the_measured_fp8_rate_and_keeps_bf16_bytes():
+    from hetero.predict.efficiency import FP8_CURVES
+    cluster, model = _dgx_h100(1), load_model("llama3-70b")
+    bf16, fp8 = (CostModel(cluster, model, TrainingSetup(p, dropout=False)) for p in ("bf16", "fp8"))
+    forward_bf16 = bf16.layer_compute("H100-80GB", 8, 1)[0]
+    forward_fp8 = fp8.layer_compute("H100-80GB", 8, 1)[0]
+    # GEMMs go at most twice as fast (the fp8 peak), less: the fp8 curve reaches a smaller share
+    # of its peak, attention stays bf16, the inputs are cast; never slower.
+    assert forward_bf16 / 2 < forward_fp8 < forward_bf16
+    assert FP8_CURVES["H100"].gemm(8192, 8192, 8192) < curve_for("H100-80GB").gemm(8192, 8192, 8192)
+    # Activations, messages and gradients stay as a bf16 run's (transformer-engine's recipes).
+    assert fp8.setup.value_bytes == bf16.setup.value_bytes == 2 and fp8.setup.grad_bytes == 4
+    assert fp8.activation_bytes(1) == bf16.activation_bytes(1)
+    # A device without fp8 units prices fp8 as 16-bit.
+    a100 = Cluster.from_dict({"name": "a", "groups": [{"name": "g", "nodes": [
+        {"host": "a0", "device": "A100-80GB", "count": 8, "intra_link": "nvlink3",
+         "nic": {"kind": "ib", "gbps": 200}}]}]})
+    on_a100 = [CostModel(a100, model, TrainingSetup(p, dropout=False)).layer_compute("A100-80GB", 8, 1)[0]
+               for p in ("bf16", "fp8")]
+    assert on_a100[0] == pytest.approx(on_a100[1])
+
+
+def test_flex_dispatcher_sends_a_token_once_per_node_and_overlap_hides_the_exchange():
+    model = load_model("qwen3-30b-a3b")
+    cluster = _dgx_h100(2)
+    inside, across = ("dgx0",) * 8, ("dgx0",) * 8 + ("dgx1",) * 8
+    costs = {d: CostModel(cluster, model, TrainingSetup(moe_dispatcher=d), expert_parallel=16)
+             for d in ("alltoall", "flex")}
+    # Inside one node both dispatchers move the same bytes over NVLink.
+    assert costs["flex"].expert_exchange_s(inside, 1, 1) == pytest.approx(costs["alltoall"].expert_exchange_s(inside, 1, 1))
+    # Across two nodes: top-8 of 128 experts, half on the other node, reach it with probability
+    # 1 - 2^-8 (one copy over InfiniBand) where the all-to-all sends 4 copies on average.
+    alltoall, flex = (costs[d].expert_exchange_s(across, 1, 1) for d in ("alltoall", "flex"))
+    sent = model.seq_length * model.hidden_size * 2 * model.moe_router_topk  # one rank, one all-to-all
+    nic = costs["alltoall"].route("dgx0", "dgx1", parallel_flows=8).bandwidth
+    leaving = 2 * sent * 8 / 16 * 8 / nic  # dispatch and combine, the node's 8 ranks on its NICs
+    assert alltoall - flex == pytest.approx(leaving * (1 - (1 - 0.5 ** 8) / 4))
+    # --overlap-moe-expert-parallel-comm: only what exceeds the layer's compute is exposed.
+    overlapped = CostModel(cluster, model, TrainingSetup(moe_a2a_overlap=True), expert_parallel=16)
+    compute = sum(overlapped.layer_times("H100-80GB", 1, 1))
+    exposed = overlapped.expert_exchange_times(across, "H100-80GB", 1, 1)
+    exchange = costs["alltoall"].expert_exchange_s(across, 1, 1)
+    assert sum(exposed) == pytest.approx(max(0.0, 2 * exchange - compute))
+    assert sum(costs["alltoall"].expert_exchange_times(across, "H100-80GB", 1, 1)) == pytest.approx(2 * exchange)
+    with pytest.raises(HeteroError, match="moe_dispatcher"):
+        TrainingSetup(moe_dispatcher="deepep")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from scipy.stats import kendalltau
 
-from hetero.predict.predictor import predict
+from hetero.predict.predictor import expert_group_hosts, predict
+from hetero.search.expert_parallel import with_expert_parallel
 from hetero.search.options import PlannerOptions
 from hetero.search.planner import Planner
 from hetero.spec.cluster import Cluster
@@ -54,3 +55,33 @@ def test_fast_estimate_agrees_with_predict(cluster_file: str, model_name: str, u
     assert tau >= 0.9, f"Kendall tau {tau:.3f} between fast estimate and predict()"
     worst = max(abs(e / p - 1) for e, p in zip(estimated, predicted))
     assert worst < 0.15, f"fast estimate off predict() by {worst:.1%}"
+
+
+def test_fast_estimate_agrees_with_predict_where_expert_groups_cross_nodes() -> None:
+    """Expert parallelism 16 on nodes of 8 GPUs: every expert-parallel group spans nodes
+    (and placement may spread it further). The search prices each group packed into as few
+    nodes as they allow, a given plan's estimate its groups as placed; both through the
+    predictor's own function (hetero/predict/expert_exchange.py)."""
+    cluster = Cluster.load(CLUSTERS / "moe_h100_a100.yaml")
+    model = load_model("qwen3-30b-a3b")
+    options = PlannerOptions(micro_batch_sizes=(1, 2), expert_parallel=(16,))
+    planner = Planner(cluster, model, 256, options)
+    found = planner.candidates()
+    random.Random(0).shuffle(found)
+    estimated, predicted = [], []
+    for candidate in found:
+        plan = with_expert_parallel(planner.materialize(candidate, candidate.order), 16)
+        if plan is None:  # its stages' ranks do not split into groups of 16
+            continue
+        assert all(len(set(expert_group_hosts(plan, 0, s))) > 1 for s in range(plan.pipeline_parallel))
+        fits, estimate_s = planner.estimate(plan)
+        prediction = predict(plan, cluster, planner.costs_for(candidate.tensor_parallel))
+        assert fits == prediction.fits, (candidate, prediction.problems)
+        if fits:
+            estimated.append(estimate_s)
+            predicted.append(prediction.iteration_time_s)
+        if len(estimated) == DRAWN:
+            break
+    assert len(estimated) == DRAWN
+    tau = kendalltau(estimated, predicted).statistic
+    assert tau >= 0.9, f"Kendall tau {tau:.3f} between fast estimate and predict()"

@@ -436,7 +436,8 @@ def test_a_flag_docs_call_honoured_runs(flag, tmp_path, monkeypatch):
     given = [arg.replace("{tmp}", str(tmp_path)) for arg in _honoured_sample(TABLE[flag])]
     (tmp_path / "data_args").write_text("prefix")
     (tmp_path / "splits.json").write_text('{"train": ["prefix"], "valid": [], "test": []}')
-    world = 2 if {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"} & set(given) else 1
+    world = 2 if {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                  "--context-parallel-size"} & set(given) else 1
     job = configure(_base_for(given) + given, world)
     assert job.args.noop_flags == []
 

@@ -244,6 +244,20 @@ def test_tp_pp_dp_mapping_orders_the_uniform_plans_ranks(tmp_path):
     configure(BASE + ["--hetero-plan", str(path), "--use-tp-pp-dp-mapping"], 8)
 
 
+def test_tp_pp_dp_mapping_with_context_parallelism_is_megatron_cores_grid():
+    from megatron.core.parallel_state import RankGenerator
+
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--context-parallel-size", "2", "--transformer-impl", "local"]
+    plan = configure(BASE + layout + ["--use-tp-pp-dp-mapping"], 16).plan
+    grid = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-pp-dp")  # Megatron-LM's order
+    coords = [(t, d, s, c) for t in range(2) for d in range(2) for s in range(2) for c in range(2)]
+    for axis, index in (("tp", 0), ("dp", 1), ("pp", 2), ("cp", 3)):
+        ours = {tuple(plan.launch_rank(plan.rank_at(*(coord[:index] + (i,) + coord[index + 1:])))
+                      for i in range(2)) for coord in coords}
+        assert sorted(ours) == sorted(map(tuple, grid.get_ranks(axis))), axis
+
+
 def test_the_first_replica_whose_weights_differ_is_named():
     from megatron.hetero.training import first_differing_replica
 

@@ -69,6 +69,23 @@ def test_steps_after_a_failed_one_still_check_what_they_can(tmp_path):
         assert fragment in message, message
 
 
+def test_a_refused_flag_comes_first_even_where_the_flags_make_no_plan():
+    # The flags' layout gives no plan (an expert layout the runtime refuses), and a
+    # performance flag is refused: both are said, the refused flag first - it stops the
+    # launch whatever the layout.
+    expert_layout = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"]
+    with pytest.raises(HeteroError) as raised:
+        configure(ARGS + expert_layout + ["--num-experts", "4", "--disable-bias-linear", "--overlap-grad-reduce",
+                                          "--overlap-param-gather"], 2)
+    problems = re.findall(r"^  \d\. (.*)$", str(raised.value), flags=re.MULTILINE)
+    assert len(problems) == 2, str(raised.value)
+    assert problems[0].startswith("--overlap-param-gather gathers the distributed optimizer's shards")
+    assert problems[1].startswith("the expert layout of --expert-model-parallel-size")
+    # A model without experts: the expert layout shapes no parameter (megatron-core builds
+    # its groups, nothing uses them), so it stops nothing.
+    assert configure(ARGS + expert_layout, 2).plan.expert_tensor_parallel is None
+
+
 @pytest.mark.slow
 def test_five_mistakes_in_one_launch(tmp_path):
     devices = [{"host": "node0", "device_type": "cpu", "vendor": "cpu"},

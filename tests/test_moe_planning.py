@@ -164,3 +164,56 @@ def test_hetero_plan_picks_expert_parallelism_for_moe_on_a_mixed_cluster(tmp_pat
         for block in plan.expert_replica_blocks():
             assert len({plan.replicas[r].num_micro_batches for r in block}) == 1
     capsys.readouterr()
+
+
+MIXTRAL_FLAGS = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+                 "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+                 "--num-experts", "8", "--moe-router-topk", "2", "--seq-length", "4096",
+                 "--max-position-embeddings", "4096", "--swiglu", "--normalization", "RMSNorm",
+                 "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+                 "--disable-bias-linear", "--bf16", "--use-distributed-optimizer", "--global-batch-size", "256",
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "31999"]
+
+
+@pytest.mark.parametrize("expert_flags,expert_grid", [
+    (["--expert-model-parallel-size", "8"], (8, 1)),  # left to itself the search picks EP 4
+    (["--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"], (4, 2)),
+    (["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], (2, 1)),
+])
+def test_expert_degrees_the_flags_give_are_the_plans(expert_flags, expert_grid, tmp_path, capsys, monkeypatch):
+    """The run refuses a plan whose EP or ETP contradicts its flags: the search keeps to them."""
+    from megatron.hetero.startup import configure
+
+    out = tmp_path / "plan.json"
+    flags = [*MIXTRAL_FLAGS, "--train-iters", "2", "--lr", "1e-3", "--mock-data", *expert_flags]
+    assert main(["--cluster", str(MOE_CLUSTER), "-o", str(out), "--quiet", "--skip-baseline",
+                 "--skip-upper-bound", "--", *flags]) == 0
+    plan = Plan.load(out)
+    assert (plan.expert_parallel, plan.expert_tensor_parallel or plan.tensor_parallel) == expert_grid
+    # pretrain_gpt.py's own start-up checks, with the flags the plan was made from
+    monkeypatch.setenv("HETERO_DEVICE", plan.devices[0].device_type)
+    args = configure([*flags, "--hetero-plan", str(out)], plan.world_size).args
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+            ) == expert_grid
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("own,expert_flags,fragment", [
+    (["--expert-parallel", "2,4"], ["--expert-model-parallel-size", "8"],
+     "--expert-parallel 2,4 contradicts the flags' --expert-model-parallel-size 8; give it in one place"),
+    ([], ["--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "2",
+          "--tensor-model-parallel-size", "4"], "--expert-tensor-parallel-size 2 with --expert-model-parallel-size 1"),
+])
+def test_expert_degrees_contradicting_the_search_are_named(own, expert_flags, fragment, capsys):
+    assert main(["--cluster", str(MOE_CLUSTER), "-o", "unused.json", "--quiet", "--skip-baseline",
+                 "--skip-upper-bound", *own, "--", *MIXTRAL_FLAGS, *expert_flags]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_hetero_plans_expert_parallel_option_limits_the_degrees(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["--cluster", str(MOE_CLUSTER), "--model", "mixtral-8x7b", "--global-batch-size", "256",
+                 "--seq-length", "4096", "-o", str(out), "--quiet", "--skip-baseline", "--skip-upper-bound",
+                 "--expert-parallel", "2"]) == 0
+    assert Plan.load(out).expert_parallel == 2
+    capsys.readouterr()

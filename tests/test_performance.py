@@ -93,6 +93,28 @@ def test_virtual_stages_from_flags_split_evenly_or_name_the_fix():
         _configured(plan, "--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication")
 
 
+def test_micro_batch_groups_fit_every_count_a_replica_runs():
+    """megatron-core's interleaved schedule runs M micro-batches in groups of N and refuses,
+    only once it runs, N below PP, M below N or a last group shorter than PP. The plan's
+    counts are also evaluation's (Megatron-LM evaluates the whole global batch); each
+    --rampup-batch-size step's counts are checked too. PP 2, replicas 4 and 4."""
+    plan = _plan_v2([{"num_layers": 2, "virtual_stages": [1, 1]}] * 2,
+                    tp=1, pp=2, dp=2, replicas=[4, 4], rank_order=[0, 1, 2, 3])
+    group = "--microbatch-group-size-per-virtual-pipeline-stage"
+    assert _configured(plan, group, "4")[1].virtual_pipeline_size == 2  # one whole group
+    assert _configured(plan, group, "2")[1].virtual_pipeline_size == 2  # two
+    with pytest.raises(HeteroError, match=f"{group} 3: a replica runs 4 micro-batches .*training and "
+                                          "evaluation.*a last group of 1, shorter than the pipeline"):
+        _configured(plan, group, "3")
+    with pytest.raises(HeteroError, match=f"{group} 1 is below the pipeline-parallel size 2"):
+        _configured(plan, group, "1")
+    with pytest.raises(HeteroError, match=f"{group} 5: a replica runs 4 .* fewer than one group of 5"):
+        _configured(plan, group, "5")
+    # The ramp's first step, 8 samples: 2 micro-batches a replica.
+    with pytest.raises(HeteroError, match=r"runs 2 micro-batches .*--rampup-batch-size step of 8 samples"):
+        _configured(plan, group, "4", "--rampup-batch-size", "8", "8", "64")
+
+
 def test_uniform_recomputation_needs_whole_groups_per_stage():
     plan = _plan_v2([{"num_layers": 3, "recompute": {"granularity": "full", "method": "uniform", "num_layers": 2}},
                      {"num_layers": 1}], tp=1, pp=2, dp=2, replicas=[5, 3], rank_order=[2, 0, 3, 1])
@@ -121,7 +143,7 @@ def test_per_stage_recomputation_overrides_the_flags():
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
     (["--overlap-param-gather", "--use-distributed-optimizer"], "needs --overlap-grad-reduce"),
     (["--tp-comm-overlap"], "--tp-comm-overlap overlaps tensor-parallel communication"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2 needs transformer-engine"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2 contradicts the plan (1)"),
 ])
 def test_refused_performance_flags_name_the_reason(flags, fragment):
     plan = make_plan(tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1])

@@ -136,6 +136,11 @@ def test_megatron_defaults_and_arity():
     assert (job.tokenizer_vocab, job.model_for((1,)).vocab_size) == (100, 128)
     assert (job.recompute, job.precision, job.distributed_optimizer, job.dropout) == ("selective", "bf16", False, True)
     assert job.micro_batch_size is None and job.global_batch_size is None  # left to the plan
+    assert job.expert_parallel is None and job.expert_tensor_parallel is None
+    moe = job_of_flags(["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+                        "--seq-length", "64", "--num-experts", "4", "--tokenizer-type", "NullTokenizer",
+                        "--vocab-size", "99", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"])
+    assert (moe.expert_parallel, moe.expert_tensor_parallel) == (4, 1)  # the plan must keep them
 
 
 @pytest.mark.parametrize("argv,fragments", [

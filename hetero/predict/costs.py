@@ -29,10 +29,18 @@ from hetero.spec.model import ModelSpec
 from hetero.spec.profiles import Profiles
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+# fp8 training (transformer-engine's recipes, Megatron's --fp8-format): each linear layer casts
+# its GEMM inputs to fp8 and runs the GEMM on the fp8 matrix units (twice the 16-bit dense
+# peak on Hopper, Ada and CDNA3 data sheets); activations, weights, the attention core and
+# communication stay bf16. Per GEMM input: read in bf16 (2 bytes), written in fp8 and as its
+# fp8 transpose for the other pass's GEMM (1 + 1): transformer-engine's fused cast-transpose.
+FP8_PEAK_OVER_16BIT = 2.0
+FP8_CAST_BYTES_PER_VALUE = 4
 # Bytes an Adam step touches per parameter: fp32 grad (4), master weight read+write (8),
 # two moments read+write (16), model-dtype weight write (2-4).
 ADAM_BYTES_PER_PARAM = 32
 RECOMPUTE_MODES = ("none", "selective", "full")
+MOE_DISPATCHERS = ("alltoall", "flex")
 # Megatron's DDP bucket: max(40M parameters, 1M x data-parallel size) (megatron-core
 # distributed_data_parallel.py); the last bucket's reduction cannot overlap backward.
 DDP_BUCKET_PARAMS = 40_000_000
@@ -76,6 +84,14 @@ class TrainingSetup:
     """--tp-comm-overlap (transformer-engine's userbuffers): each layer's tensor-parallel
     all-gathers and reduce-scatters run in chunks under the GEMMs next to them
     (tensor_parallel_overlap.py)."""
+    moe_dispatcher: str = "alltoall"
+    """--moe-token-dispatcher-type: alltoall (megatron-core's all-to-all: each of a token's
+    top-k copies travels to its expert's rank) or flex (DeepEP / HybridEP: a token crosses to
+    each other node holding one of its experts once and is fanned out inside that node)."""
+    moe_a2a_overlap: bool = False
+    """--overlap-moe-expert-parallel-comm (megatron-core's combined 1F1B): a micro-batch's token
+    all-to-alls run under another micro-batch's compute, so a layer's exchange costs only what
+    exceeds that layer's compute (expert_exchange_times)."""
 
     def __post_init__(self) -> None:
         if self.precision not in BYTES_PER_VALUE:
@@ -84,17 +100,25 @@ class TrainingSetup:
             raise HeteroError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
         if self.virtual_stages < 1:
             raise HeteroError("virtual_stages must be at least 1")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise HeteroError(f"moe_dispatcher {self.moe_dispatcher!r} is not one of {', '.join(MOE_DISPATCHERS)}")
 
     @property
     def value_bytes(self) -> int:
-        return BYTES_PER_VALUE[self.precision]
+        """Bytes of an activation, weight or message (fp8 runs keep them in bf16)."""
+        return 2 if self.fp8_gemms else BYTES_PER_VALUE[self.precision]
+
+    @property
+    def fp8_gemms(self) -> bool:
+        """Linear layers' GEMMs run in fp8 (transformer-engine's recipes)."""
+        return self.precision == "fp8"
 
     @property
     def grad_bytes(self) -> int:
         if self.grad_reduce_dtype is not None:
             return BYTES_PER_VALUE[self.grad_reduce_dtype]
         # megatron-core DDP: grad_reduce_in_fp32 = --accumulate-allreduce-grads-in-fp32 or bf16
-        return 4 if self.precision in ("bf16", "fp32") else self.value_bytes
+        return 4 if self.precision in ("bf16", "fp8", "fp32") else self.value_bytes
 
     @property
     def optimizer_bytes(self) -> int:
@@ -167,9 +191,21 @@ class CostModel:
     # ----- compute ----------------------------------------------------------------------
 
     def _gemm_s(self, device_name: str, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """A 16-bit GEMM (the attention core, the router, the output layer)."""
         device = self.cluster.devices[device_name]
         efficiency = curve_for(device_name, device.vendor).gemm(m, n, k)
         return count * 2 * m * n * k / (device.peak_tflops * 1e12 * efficiency)
+
+    def _linear_s(self, device_name: str, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """A linear layer's GEMM (m tokens, n outputs, k inputs): in fp8 where the setup's
+        recipe casts it, with the cast of its input (forward; backward casts the output
+        gradient of the same size, priced by the caller's doubling of forward)."""
+        device = self.cluster.devices[device_name]
+        if not self.setup.fp8_gemms or not device.supports("fp8"):
+            return self._gemm_s(device_name, m, n, k, count)
+        efficiency = curve_for(device_name, device.vendor, "fp8").gemm(m, n, k)
+        gemm = count * 2 * m * n * k / (FP8_PEAK_OVER_16BIT * device.peak_tflops * 1e12 * efficiency)
+        return gemm + self._memory_s(device_name, count * m * k * FP8_CAST_BYTES_PER_VALUE)
 
     def _memory_s(self, device_name: str, num_bytes: float) -> float:
         device = self.cluster.devices[device_name]
@@ -198,13 +234,13 @@ class CostModel:
         q = m.num_attention_heads * m.head_dim
         kv = m.query_groups * m.head_dim
         if m.multi_latent_attention:  # its projections as one GEMM of the same work
-            gemms = self._gemm_s(device_name, tokens, m.attention_gemm_flops_per_token() / (2 * h) / t, h)
+            gemms = self._linear_s(device_name, tokens, m.attention_gemm_flops_per_token() / (2 * h) / t, h)
         else:
-            gemms = self._gemm_s(device_name, tokens, (q + 2 * kv) / t, h) + self._gemm_s(device_name, tokens, h, q / t)
+            gemms = self._linear_s(device_name, tokens, (q + 2 * kv) / t, h) + self._linear_s(device_name, tokens, h, q / t)
 
         def dense_mlp(ffn: int) -> float:
             up = ffn * (2 if m.swiglu else 1) / t
-            return self._gemm_s(device_name, tokens, up, h) + self._gemm_s(device_name, tokens, h, ffn / t) if ffn else 0.0
+            return self._linear_s(device_name, tokens, up, h) + self._linear_s(device_name, tokens, h, ffn / t) if ffn else 0.0
 
         dense = dense_mlp(m.ffn)
         mlp_width = m.ffn
@@ -216,8 +252,8 @@ class CostModel:
             ep, etp = self.expert_parallel, self.expert_tensor_parallel_at(t)
             routed = tokens * m.moe_router_topk * ep * etp / (experts * t)
             up = ffn * (2 if m.swiglu else 1) / etp
-            moe = (self._gemm_s(device_name, routed, up, h, experts / ep)
-                   + self._gemm_s(device_name, routed, h, ffn / etp, experts / ep)
+            moe = (self._linear_s(device_name, routed, up, h, experts / ep)
+                   + self._linear_s(device_name, routed, h, ffn / etp, experts / ep)
                    + self._gemm_s(device_name, tokens, experts, h) + dense_mlp(m.shared_expert_ffn))
             share = m.moe_layer_fraction
             gemms += share * moe + (1 - share) * dense
@@ -308,9 +344,10 @@ class CostModel:
             # Token dispatch and combine, forward and backward (and the recomputed forward),
             # with the expert-parallel group inside this node (the predictor adds the rest
             # when a group spans nodes).
-            exchange = self.expert_exchange_s((host,) * self.expert_parallel, tensor_parallel, micro_batch_size)
-            forward += exchange
-            backward += exchange * (2 if recompute == "full" else 1)
+            exchange_forward, exchange_backward = self.expert_exchange_times(
+                (host,) * self.expert_parallel, device_name, tensor_parallel, micro_batch_size, recompute)
+            forward += exchange_forward
+            backward += exchange_backward
             allreduce = self.tp_allreduce(host, tensor_parallel, self.activation_bytes(micro_batch_size))
             if self._profiled_at(device_name, tensor_parallel):
                 allreduce = 0.0  # measured with its tensor-parallel group: the all-reduces are in it
@@ -470,7 +507,9 @@ class CostModel:
         Each rank sends its 1/t of the tokens (megatron-core requires sequence parallelism
         with TP and EP), each to top-k experts: topk * s * b * h / t values, of which the
         share bound for other members leaves; what leaves the node shares its NIC with the
-        node's other members."""
+        node's other members. The flex dispatcher sends a token to another node once when any
+        of its experts is there (routing spread evenly over the group's experts: a node
+        holding a share q of them is missed by all top-k with probability (1 - q)^k)."""
         ep, model = len(hosts), self.model
         if ep <= 1 or not model.is_moe:
             return 0.0
@@ -486,11 +525,31 @@ class CostModel:
             outside = [h for h in per_host if h != host]
             if outside:
                 leaving = sent * (ep - members) / ep * members  # the node's members, one NIC share
+                if self.setup.moe_dispatcher == "flex":
+                    topk = model.moe_router_topk
+                    nodes_reached = sum(1 - (1 - per_host[h] / ep) ** topk for h in outside)
+                    leaving = sent / topk * nodes_reached * members
                 route = min((self.route(host, h, parallel_flows=members) for h in outside),
                             key=lambda r: r.bandwidth)
                 seconds += len(outside) * route.latency + leaving / route.bandwidth
             slowest = max(slowest, seconds)
         return 2 * slowest * model.moe_layer_fraction
+
+    def expert_exchange_times(self, hosts: tuple[str, ...], device_name: str, tensor_parallel: int,
+                              micro_batch_size: int, recompute: str | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds one layer's token all-to-alls add to one micro-batch on
+        an expert-parallel group on `hosts` (a recomputed forward exchanges again). With
+        --overlap-moe-expert-parallel-comm the steady 1F1B pairs one micro-batch's forward with
+        another's backward and runs each one's all-to-alls under the other's compute: only the
+        exchange beyond the layer's forward and backward compute is exposed."""
+        exchange = self.expert_exchange_s(hosts, tensor_parallel, micro_batch_size)
+        recompute = recompute or self.setup.recompute
+        forward, backward = exchange, exchange * (2 if recompute == "full" else 1)
+        if not self.setup.moe_a2a_overlap or exchange == 0:
+            return forward, backward
+        compute = sum(self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute))
+        exposed = max(0.0, forward + backward - compute)
+        return exposed * forward / (forward + backward), exposed * backward / (forward + backward)
 
     def tp_allreduce(self, host: str, tensor_parallel: int, num_bytes: float) -> float:
         """Ring all-reduce among the tensor-parallel ranks of one node."""

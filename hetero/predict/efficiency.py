@@ -52,6 +52,19 @@ CURVES: dict[str, EfficiencyCurve] = {
     "MI300X": EfficiencyCurve(0.60, 256),
 }
 DEFAULT_CURVE = EfficiencyCurve(0.65, 192)
+# fp8 GEMMs (as a fraction of the fp8 dense peak, twice the 16-bit one): the same tiles move
+# half the bytes per multiply-add, so a GEMM needs larger dimensions to keep the fp8 units
+# busy. Measured on an H200 (the H100's compute; bench/gpu_bench.py --only gemm8, torch 2.11
+# torch._scaled_mm with per-tensor scales): 0.58-0.71 of the fp8 peak on transformer-layer
+# shapes (1.6-2.0x bf16), 0.32-0.61 on mixture-of-experts expert GEMMs with 768-1536 deep
+# sides; the least-squares fit over 39 GEMMs (dense, and each expert shape's better of one
+# GEMM per expert and torch's grouped GEMM) is 0.76 with a half size of 530.
+FP8_CURVES: dict[str, EfficiencyCurve] = {
+    "H100": EfficiencyCurve(0.76, 530),
+    "H800": EfficiencyCurve(0.76, 530),
+    "H200": EfficiencyCurve(0.76, 530),
+}
+DEFAULT_FP8_CURVE = EfficiencyCurve(0.55, 384)
 # CPU processes (the emulator, tests): fp32 GEMMs through oneDNN/MKL on AVX-512 cores reach
 # about 80% of the cores' FMA peak on large shapes, and need a few hundred rows and columns
 # to get there (cache blocking), so the small test models run far below it.
@@ -61,10 +74,12 @@ CPU_CURVE = EfficiencyCurve(0.80, 256)
 MEMORY_EFFICIENCY = 0.8
 
 
-def curve_for(device_name: str, vendor: str | None = None) -> EfficiencyCurve:
+def curve_for(device_name: str, vendor: str | None = None, precision: str = "bf16") -> EfficiencyCurve:
+    """The GEMM efficiency curve of a device (16-bit, or fp8 of its fp8 peak)."""
     if vendor == "cpu":
         return CPU_CURVE
-    for prefix, curve in CURVES.items():
+    curves, default = (FP8_CURVES, DEFAULT_FP8_CURVE) if precision == "fp8" else (CURVES, DEFAULT_CURVE)
+    for prefix, curve in curves.items():
         if device_name.startswith(prefix):
             return curve
-    return DEFAULT_CURVE
+    return default

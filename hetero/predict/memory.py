@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from hetero.predict.costs import CostModel
 
 GIB = 1024**3
+FP8_WEIGHT_COPY_BYTES = 2
+"""An fp8 run (transformer-engine) also keeps each weight cast to fp8 for the iteration,
+as it is and transposed (the two GEMM layouts Hopper's fp8 units take)."""
 # CUDA/ROCm context, communicator buffers, library workspaces; a CPU process's interpreter,
 # torch, megatron-core and gloo. On the CPU this is the process's own memory, without the
 # pages of mapped library files (their number follows the page cache: 86 or 147 MB for the
@@ -138,7 +141,7 @@ def rank_memory(
     transient = (backward_working_set(costs, tensor_parallel, micro_batch_size, recompute)
                  + largest_weight / tensor_parallel * setup.value_bytes)
     return MemoryEstimate(
-        weights=params * setup.value_bytes,
+        weights=params * (setup.value_bytes + (FP8_WEIGHT_COPY_BYTES if setup.fp8_gemms else 0)),
         gradients=params * setup.grad_bytes,
         optimizer=optimizer_state,
         activations=in_flight * per_micro_batch,

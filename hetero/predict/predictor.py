@@ -27,6 +27,7 @@ from hetero.predict.memory import GIB, MemoryEstimate, capacity_bytes, rank_memo
 from hetero.plan import Plan
 from hetero.predict.schedule import Op, StageTiming, simulate_1f1b
 from hetero.predict.stragglers import replica_spread, slowest_of
+from hetero.predict.expert_exchange import expert_exchange_beyond_node_s
 from hetero.predict.tied_embedding import tied_embedding_sync_s
 
 
@@ -134,11 +135,11 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
         forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
         extra_f, extra_b = costs.stage_extra_times(slot.device_type, tp, mbs, first=s == 0, last=s == pp - 1)
         forward, backward = forward + extra_f, backward + extra_b
-        if plan.expert_parallel > 1:  # layer_cost priced the all-to-alls inside this node
-            group = expert_group_hosts(plan, d, s)
-            beyond = plan.stages[s].num_layers * (costs.expert_exchange_s(group, tp, mbs)
-                                                  - costs.expert_exchange_s((host,) * len(group), tp, mbs))
-            forward, backward = forward + beyond, backward + beyond
+        if plan.expert_parallel > 1:  # layer_cost priced the all-to-alls as if inside this node
+            group, recompute = expert_group_hosts(plan, d, s), stage_recompute(plan, s, costs)
+            beyond = expert_exchange_beyond_node_s(costs, group, host, slot.device_type, tp, mbs, recompute)
+            forward += plan.stages[s].num_layers * beyond[0]
+            backward += plan.stages[s].num_layers * beyond[1]
         send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
                                       tps[s + 1]) if s < pp - 1 else 0.0
         send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],

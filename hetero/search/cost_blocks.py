@@ -12,7 +12,9 @@ from typing import Callable, Iterable, TypeVar
 
 from hetero.predict.costs import CostModel, LayerCost
 from hetero.predict.memory import stage_params
+from hetero.predict.expert_exchange import expert_exchange_beyond_node_s, packed_expert_group
 from hetero.predict.tied_embedding import tied_embedding_sync_s
+from hetero.search.expert_parallel import expert_tensor_parallel_for
 from hetero.search.options import Degrees, PlannerOptions, device_classes, setup_for
 from hetero.search.placement import GroupPart, representative_hosts
 from hetero.spec.cluster import Cluster
@@ -60,7 +62,7 @@ class CostBlocks(Memoised):
             ep = self.expert_parallel
             self._costs[key] = CostModel(self.cluster, self.model, setup_for(
                 self.options, tensor_parallel, virtual_stages), self.profiles,
-                expert_parallel=ep, expert_tensor_parallel=1 if ep > 1 else None)
+                expert_parallel=ep, expert_tensor_parallel=expert_tensor_parallel_for(ep, self.options.expert_tensor_parallel))
         return self._costs[key]
 
     def job_costs(self, tp: Degrees) -> CostModel:
@@ -78,12 +80,27 @@ class CostBlocks(Memoised):
     # ----- compute ----------------------------------------------------------------------
 
     def layer_cost(self, c: int, tp: Degrees, mbs: int, recompute: str | None = None) -> LayerCost:
+        """One layer on a rank of class c, its expert-parallel group (mixtures of experts)
+        packed as tightly as the class's nodes allow: spread over nodes where it holds more
+        members than a node has room for (the predictor prices the plan's own groups)."""
         key = (c, tp[c], max(tp), mbs, recompute)
         if key not in self._layer_costs:  # the search asks millions of times: one lookup
-            cl = self.classes[c]
-            self._layer_costs[key] = self.job_costs(tp).layer_cost(cl.device_type, cl.hosts[0], tp[c], mbs,
-                                                                   recompute)
+            cl, costs = self.classes[c], self.job_costs(tp)
+            layer = costs.layer_cost(cl.device_type, cl.hosts[0], tp[c], mbs, recompute)
+            beyond = expert_exchange_beyond_node_s(costs, self.expert_group(c, tp), cl.hosts[0], cl.device_type,
+                                                   tp[c], mbs, recompute)
+            self._layer_costs[key] = LayerCost(layer.forward_s + beyond[0], layer.backward_s + beyond[1])
         return self._layer_costs[key]
+
+    def expert_group(self, c: int, tp: Degrees) -> tuple[str, ...]:
+        """The hosts of an expert-parallel group of a rank on class c, packed into the class's
+        nodes first (then the other classes', where the class has too few)."""
+        cl, costs = self.classes[c], self.job_costs(tp)
+        if costs.expert_parallel <= 1:
+            return (cl.hosts[0],)
+        hosts = cl.hosts + tuple(h for other in self.classes if other is not cl for h in other.hosts)
+        return packed_expert_group(hosts, cl.devices_per_node, costs.expert_parallel,
+                                   costs.expert_tensor_parallel_at(tp[c]))
 
     def layer_time(self, c: int, tp: Degrees, mbs: int, recompute: str | None = None) -> float:
         return self.layer_cost(c, tp, mbs, recompute).total_s

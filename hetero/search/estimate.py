@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence, TypeVar
 
 from hetero.plan import Plan
-from hetero.predict.predictor import stage_recompute
+from hetero.predict.expert_exchange import expert_exchange_beyond_node_s
+from hetero.predict.predictor import expert_group_hosts, stage_recompute
 from hetero.predict.schedule import PipelineShape, pipeline_shape
 from hetero.predict.stragglers import replica_spread, slowest_of
 from hetero.predict.tied_embedding import tied_embedding_sync_s
 from hetero.search.cost_blocks import CostBlocks, Memoised
+from hetero.search.expert_parallel import expert_tensor_parallel_for
 from hetero.search.memory_fit import MemoryFit, StageClasses
 from hetero.search.options import Degrees, PlannerOptions
 from hetero.spec.cluster import Cluster
@@ -287,6 +289,18 @@ class FastEstimate(Memoised):
                         for s in heaviest.values() for c in at_stage[s])
         return reduce + optimizer
 
+    def _expert_groups_as_placed(self, plan: Plan, d: int, s: int, c: int, tp: Degrees, recompute: str) -> float:
+        """What one layer of replica d's stage s (on class c) takes beyond blocks.layer_cost's
+        estimate, forward and backward, with its expert-parallel group where the plan puts it
+        (the same function prices both: predict/expert_exchange.py)."""
+        blocks = self.blocks
+        costs, cl, host = blocks.job_costs(tp), blocks.classes[c], plan.stage_device(d, s).host
+        placed = expert_exchange_beyond_node_s(costs, expert_group_hosts(plan, d, s), host, cl.device_type,
+                                               tp[c], plan.micro_batch_size, recompute)
+        packed = expert_exchange_beyond_node_s(costs, blocks.expert_group(c, tp), cl.hosts[0], cl.device_type,
+                                               tp[c], plan.micro_batch_size, recompute)
+        return sum(placed) - sum(packed)
+
     def _rank_params(self, layers: list[int], s: int, tensor_parallel: int, costs) -> tuple[float, float]:
         """(dense, expert) parameters of one rank of stage s (memory.rank_params)."""
         experts = layers[s] * self.model.expert_params()
@@ -298,8 +312,11 @@ class FastEstimate(Memoised):
         recomputation as they are): (fits in memory, seconds per iteration). What the
         search ranks candidates by, applied to any plan: tests compare it with predict()."""
         blocks, cluster = self.blocks, self.blocks.cluster
-        if plan.expert_parallel != blocks.expert_parallel:  # an estimate priced for the plan's expert grid
-            options = dataclasses.replace(blocks.options, expert_parallel=(plan.expert_parallel,))
+        # an estimate priced for the plan's expert grid (as the search would price it)
+        grid = (plan.expert_parallel, expert_tensor_parallel_for(plan.expert_parallel, plan.expert_tensor_parallel))
+        if self.model.is_moe and grid != (blocks.expert_parallel, blocks.costs_for(1).expert_tensor_parallel):
+            options = dataclasses.replace(blocks.options, expert_parallel=(plan.expert_parallel,),
+                                          expert_tensor_parallel=plan.expert_tensor_parallel)
             return FastEstimate(cluster, self.model, self.global_batch_size, options, blocks.profiles).of_plan(plan)
         pp, dp, mbs = plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
         hosts = [[plan.stage_device(d, s).host for s in range(pp)] for d in range(dp)]
@@ -321,6 +338,9 @@ class FastEstimate(Memoised):
                 at_boundary = dp * max(tp[a], tp[b])
                 sends[s] += blocks.send_time(a, b, tp, mbs, same, at_boundary)
                 sends[s + 1] += blocks.send_time(b, a, tp, mbs, same, at_boundary)
+            if plan.expert_parallel > 1:  # the plan's own expert groups for the packed one layer_cost priced
+                for s in range(pp):
+                    sends[s] += layers[s] * self._expert_groups_as_placed(plan, d, s, pattern[s], tp, modes[s])
             replicas.append((pattern, self.replica_shape(pattern, layers, modes, tp, mbs, sends),
                              plan.replicas[d].num_micro_batches))
         pipeline = self.slowest_replica(replicas, tp, mbs)

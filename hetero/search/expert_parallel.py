@@ -3,9 +3,11 @@
 The search tries each expert-parallel degree as its own job setting (the cost model of
 that grid prices the all-to-alls, the experts' share of memory and their gradient
 reduction), with one expert per tensor slice (expert tensor-parallel 1, megatron-core's
-usual MoE layout: experts are cut by EP, not by TP). Degrees stay within one node, where
-the all-to-all runs over the fastest fabric; the predictor still prices a group that
-placement spreads over nodes.
+usual MoE layout: experts are cut by EP, not by TP) unless the options fix the expert
+tensor-parallel degree. The degrees tried by default stay within one node, where the
+all-to-all runs over the fastest fabric; a degree the options fix may not, and placement may
+spread a group over nodes: the fast estimate and the predictor both price the all-to-alls
+on the hosts a group spans (hetero/predict/expert_exchange.py).
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ def expert_parallel_choices(model: ModelSpec, classes: list[DeviceClass], option
     return tuple(ep for ep in range(1, per_node + 1) if model.num_experts % ep == 0)
 
 
-def expert_tensor_parallel_for(expert_parallel: int) -> int | None:
-    """The expert tensor-parallel degree the search pairs with an EP degree (None: the
-    stage's TP, megatron-core's default, which is the only choice at EP 1)."""
-    return 1 if expert_parallel > 1 else None
+def expert_tensor_parallel_for(expert_parallel: int, fixed: int | None = None) -> int | None:
+    """The expert tensor-parallel degree the search pairs with an EP degree: the fixed one
+    where the options give it, else 1 at EP > 1 and None (the stage's TP, megatron-core's
+    default and the only degree it trains correctly at EP 1) at EP 1."""
+    if expert_parallel == 1:
+        return None  # a fixed degree at EP 1 is the stages' TP (with_expert_parallel checks it)
+    return fixed if fixed is not None else 1
 
 
-def with_expert_parallel(plan: Plan, expert_parallel: int) -> Plan | None:
-    """The plan with this expert-parallel degree, or None where its stages' TP x DP ranks do
-    not split into expert groups.
+def with_expert_parallel(plan: Plan, expert_parallel: int, expert_tensor_parallel: int | None = None) -> Plan | None:
+    """The plan with this expert-parallel degree (and expert tensor-parallel degree, when
+    fixed), or None where its stages' TP x DP ranks do not split into expert groups, or
+    where a fixed expert tensor-parallel degree at EP 1 differs from a stage's TP.
 
     The one place the search meets the runtime's rule that the ranks of an expert-parallel
     group run equal micro-batch counts (their all-to-alls pair up every micro-batch): the
@@ -48,9 +54,11 @@ def with_expert_parallel(plan: Plan, expert_parallel: int) -> Plan | None:
     the block's mean count, rounded by largest remainder in whole blocks. None also where
     the global batch cannot be so split."""
     if expert_parallel == 1:
-        return plan
+        fixed = expert_tensor_parallel
+        return plan if fixed is None or set(plan.stage_tensor_parallel) == {fixed} else None
     data = plan.to_dict()
-    data.update(expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel_for(expert_parallel))
+    data.update(expert_parallel=expert_parallel,
+                expert_tensor_parallel=expert_tensor_parallel_for(expert_parallel, expert_tensor_parallel))
     try:
         bound = Plan.from_dict({**data, "replicas": [{**r, "num_micro_batches": 1} for r in data["replicas"]]})
     except (PlanError, ValidationError, ValueError):

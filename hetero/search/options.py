@@ -51,6 +51,10 @@ class PlannerOptions:
     expert_parallel: tuple[int, ...] | None = None
     """Expert-parallel degrees to try (mixtures of experts): None tries 1 and every divisor of
     the expert count that fits in one node (hetero/search/expert_parallel.py)."""
+    expert_tensor_parallel: int | None = None
+    """Ranks that split each expert (mixtures of experts): None pairs EP > 1 with 1 and EP 1
+    with the stage's TP; a number (a launch script's --expert-tensor-parallel-size) is kept
+    at every EP degree, and at EP 1 only stages of that TP degree are planned."""
     pipeline_parallel: tuple[int, ...] | None = None
     """Pipeline depths allowed (None: any): a launch script that fixes
     --pipeline-model-parallel-size is planned at that depth."""

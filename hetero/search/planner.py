@@ -122,7 +122,8 @@ class Planner:
         trials += [(c, o) for c in chosen[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
         for candidate, order in trials:
             for v, plan in self._interleavings(candidate, order):
-                plan = with_expert_parallel(plan, self.expert_parallel)
+                plan = with_expert_parallel(plan, self.expert_parallel,
+                                            self.options.expert_tensor_parallel if self.model.is_moe else None)
                 if plan is None:  # its stages' ranks do not split into expert groups
                     continue
                 costs = self.costs_for(candidate.tensor_parallel, v)

@@ -301,6 +301,10 @@ class FlagsJob:
     sequence_parallel: bool | None
     """True: the flags ask for it; None: the plan's choice (the run follows the plan)."""
     virtual_stages: int | None
+    expert_parallel: int | None
+    """--expert-model-parallel-size where the flags give it (None: the plan's choice)."""
+    expert_tensor_parallel: int | None
+    """--expert-tensor-parallel-size where the flags give it (None: the plan's choice)."""
     distributed_optimizer: bool
     fused_kernels: bool
     dropout: bool
@@ -355,7 +359,9 @@ def job_of_flags(argv: Sequence[str], tokenizer_vocab: int | None = None) -> Fla
         pipeline_parallel=flags.given_value("pipeline_model_parallel_size"),
         precision="bf16" if flags["bf16"] else ("fp16" if flags["fp16"] else "fp32"),
         recompute=recompute, sequence_parallel=True if flags["sequence_parallel"] else None,
-        virtual_stages=virtual, distributed_optimizer=bool(flags["use_distributed_optimizer"]),
+        virtual_stages=virtual, expert_parallel=flags.given_value("expert_model_parallel_size"),
+        expert_tensor_parallel=flags.given_value("expert_tensor_parallel_size"),
+        distributed_optimizer=bool(flags["use_distributed_optimizer"]),
         fused_kernels=flags["transformer_impl"] != "local" and flags["attention_backend"] not in ("local", "unfused"),
         dropout=dropout, overlap_grad_reduce=bool(flags["overlap_grad_reduce"]),
         overlap_param_gather=bool(flags["overlap_param_gather"]),

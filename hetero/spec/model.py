@@ -499,6 +499,14 @@ PRESETS: dict[str, ModelSpec] = {
         seq_length=4096, vocab_size=151936, ffn_hidden_size=6144, swiglu=True,
         untie_embeddings_and_output_weights=True, add_bias_linear=False, normalization="RMSNorm",
         position_embedding_type="rope", num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    # Qwen3-235B-A22B (the same report, table 2; the card's config.json): 94 layers of width
+    # 4096, 64 query / 4 key-value heads of 128, 128 experts of width 1536, top-8, no shared
+    # expert, untied; 235B parameters, 22B active. QK-norm left out as above.
+    "qwen3-235b-a22b": ModelSpec(
+        num_layers=94, hidden_size=4096, num_attention_heads=64, num_query_groups=4, kv_channels=128,
+        seq_length=4096, vocab_size=151936, ffn_hidden_size=12288, swiglu=True,
+        untie_embeddings_and_output_weights=True, add_bias_linear=False, normalization="RMSNorm",
+        position_embedding_type="rope", num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536),
     # DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, sections 2 and 4.2; the card's
     # config.json): 61 layers of width 7168, MLA with 128 heads (q rank 1536, kv rank 512,
     # 128 + 64 rotary query/key, 128 value), the first 3 layers dense (FFN 18432), then 256

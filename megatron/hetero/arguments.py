@@ -416,6 +416,8 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-fusion", action="store_true",
                    help="fused router top-k and scores (transformer-engine's kernel on GPUs; the "
                         "CPU runs them unfused, same result)")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="log each MoE layer's router losses to TensorBoard/W&B, besides their mean")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
                    choices=["allgather", "alltoall"])
     g.add_argument("--expert-model-parallel-size", type=int, default=None,
@@ -440,6 +442,11 @@ CONFIG_FIELD_FLAGS: dict[str, tuple[str, ...]] = {
         "--test-mode", "--no-barrier-with-level-1-timing", "--config-logger-dir",
         "--mtp-num-layers", "--mtp-loss-scaling-factor", "--use-fused-weighted-squared-relu",
         "--no-initialization",
+    ),
+    "multi-latent attention (megatron-core MLATransformerConfig fields)": (
+        "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+        "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type", "--rotary-scaling-factor",
+        "--mscale", "--mscale-all-dim",
     ),
     "pipeline schedule (megatron-core config fields)": (
         "--microbatch-group-size-per-virtual-pipeline-stage", "--overlap-p2p-communication-warmup-flush",
@@ -626,7 +633,7 @@ def _add_performance_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="needs transformer-engine and a GPU")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="needs transformer-engine and a GPU")
+                   help="splits each sequence over this many ranks (the plan's context_parallel)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -693,9 +700,14 @@ def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
                                     plan.tensor_parallel)):
         dest = flag[2:].replace("-", "_")
         given = getattr(args, dest)
-        if given is not None and given != (planned or default):  # absent: the plan's value
+        # absent: the plan's value; without experts (no --num-experts) the flag shapes nothing
+        if given is not None and given != (planned or default) and args.num_experts:
             contradictions.append(f"{flag} {given} contradicts the plan ({planned or default})")
         setattr(args, dest, planned)
+    if args.context_parallel_size not in (1, plan.context_parallel):  # 1: the flag's default
+        contradictions.append(f"--context-parallel-size {args.context_parallel_size} contradicts the plan "
+                              f"({plan.context_parallel})")
+    args.context_parallel_size = plan.context_parallel
     # --tensor-model-parallel-size is the job's degree; a version 3 plan may give stages their own.
     args.stage_tensor_parallel_sizes = plan.stage_tensor_parallel
     problems = Problems()  # one problem per flag, each with its fix

@@ -56,7 +56,8 @@ def save(directory: Path, model_chunks: list, model_keys: list[str], optimizer, 
     group = parallel_state.get_data_parallel_group()
     states = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, rng_state, group=group)
-    writer = parallel_state.get_data_parallel_rank() == 0
+    # One writer per model-parallel rank: context ranks hold the same weights (as Megatron-LM).
+    writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     if writer:
         folder.mkdir(parents=True, exist_ok=True)
     if distributed_optimizer and save_optimizer:  # gathered to the first replica, which writes it

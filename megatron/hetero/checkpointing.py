@@ -170,8 +170,10 @@ def _rng_sharded_object(saving: bool) -> ShardedObject:
         dist.all_gather_object(states, _rng_state(), group=group)
     if stage_tensor_parallel.active_plan() is not None:
         return ShardedObject("rng_state", states, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
-    (pp, tp, _), (pp_rank, tp_rank, dp_rank) = _layout()
-    return ShardedObject("rng_state", states, (pp, tp), (pp_rank, tp_rank), replica_id=dp_rank)
+    (pp, tp, _), (pp_rank, tp_rank, _) = _layout()
+    # Context ranks of a replica hold the same states: replicas of one another (as Megatron-LM).
+    replica = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    return ShardedObject("rng_state", states, (pp, tp), (pp_rank, tp_rank), replica_id=replica)
 
 
 def _restore_rng(saved_rng) -> None:

@@ -65,6 +65,8 @@ class CudaAsCpuMode(TorchFunctionMode):
             return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):  # page-locked host memory exists only for a GPU's copies
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)

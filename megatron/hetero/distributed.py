@@ -341,6 +341,7 @@ def initialize(
             # The expert grid (its order inside each stage is the plan's expert_rank_at).
             expert_model_parallel_size=plan.expert_parallel,
             expert_tensor_parallel_size=plan.expert_tensor_parallel,
+            context_parallel_size=plan.context_parallel,
             distributed_timeout_minutes=minutes,
             **(group_options or {}),
         )
@@ -350,7 +351,8 @@ def initialize(
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
-    ) == (coords.tp_rank, coords.dp_rank, coords.pp_rank), "megatron-core's rank order changed"
+        parallel_state.get_context_parallel_rank(),
+    ) == (coords.tp_rank, coords.dp_rank, coords.pp_rank, coords.cp_rank), "megatron-core's rank order changed"
     return RankContext(launch=launch, logical_rank=logical_rank)
 
 

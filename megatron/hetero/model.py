@@ -24,7 +24,7 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.hetero import stage_tensor_parallel
 from megatron.hetero.arguments import config_from_flags, honoured_config_values
 from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
@@ -58,13 +58,17 @@ _PLAN_DECIDED = frozenset({
 
 def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfig:
     """Megatron-LM's rule (core_transformer_config_from_args): every honoured flag whose dest
-    is a TransformerConfig field is copied into it; the fields below, which the plan and the
+    is a TransformerConfig field (MLATransformerConfig's under --multi-latent-attention) is
+    copied into it; the fields below, which the plan and the
     runtime decide or which need translating, take precedence."""
-    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+    config_class = _check_multi_latent_attention(args)
+    fields = {field.name for field in dataclasses.fields(config_class)}
     copied = {name: value for name, value in honoured_config_values(args, fields).items()
               if name not in _PLAN_DECIDED}
+    if args.rope_type is None:
+        copied.pop("rope_type", None)  # as Megatron-LM: the config's default (MLA's is yarn)
     try:
-        config = TransformerConfig(**{**copied, **_decided_fields(args, plan)})
+        config = config_class(**{**copied, **_decided_fields(args, plan)})
     except (ValueError, AssertionError) as error:  # megatron-core's own checks of the flags
         raise HeteroError(f"megatron-core rejects this model's flags: {error}") from None
     _check_runs_without_gpu(config)
@@ -74,6 +78,23 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
                           "heterogeneous plans do not give them yet; run them with "
                           "--pipeline-model-parallel-size 1 (data and tensor parallelism only)")
     return config
+
+
+def _check_multi_latent_attention(args: argparse.Namespace) -> type[TransformerConfig]:
+    """The config class Megatron-LM's core_transformer_config_from_args picks, with its checks
+    of the MLA flags: MLATransformerConfig under --multi-latent-attention."""
+    if not args.multi_latent_attention:
+        if args.rope_type not in (None, "rope"):
+            raise HeteroError(f"--rope-type {args.rope_type} is multi-latent attention's (its yarn RoPE); "
+                              "without --multi-latent-attention, RoPE is --position-embedding-type rope")
+        return TransformerConfig
+    if args.group_query_attention:
+        raise HeteroError("--multi-latent-attention and --group-query-attention both shape the keys and "
+                          "values (MLA compresses them into --kv-lora-rank); give one")
+    if args.qk_l2_norm:
+        raise HeteroError("--qk-l2-norm is not supported with --multi-latent-attention (megatron-core's "
+                          "MLA layers have no L2 norm of queries and keys); drop one of them")
+    return MLATransformerConfig
 
 
 def _check_runs_without_gpu(config: TransformerConfig) -> None:
@@ -112,6 +133,7 @@ def _decided_fields(args: argparse.Namespace, plan: Plan) -> dict:
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         tensor_model_parallel_size=plan.stage_tensor_parallel[parallel_state.get_pipeline_model_parallel_rank()],
         pipeline_model_parallel_size=plan.pipeline_parallel,
+        context_parallel_size=plan.context_parallel,
         pipeline_model_parallel_layout=plan.pipeline_layout() if plan.pipeline_parallel > 1 else None,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
@@ -157,7 +179,8 @@ def _layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: i
     """As Megatron-LM's gpt_builders: with experts, megatron-core's decoder block spec (dense
     and MoE layers as --moe-layer-freq says, this stage's layers only); else one layer spec."""
     use_te = resolve_transformer_impl(args) == "transformer_engine"
-    if args.num_experts:
+    mla = args.multi_latent_attention
+    if args.num_experts:  # the block spec reads config.multi_latent_attention
         return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                           normalization=args.normalization,
                                           qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
@@ -168,10 +191,10 @@ def _layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: i
 
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-            qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm)
+            qk_layernorm=args.qk_layernorm, multi_latent_attention=mla, qk_l2_norm=args.qk_l2_norm)
     return get_gpt_layer_local_spec(
-        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+        multi_latent_attention=mla, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
 
 
 def build_model(

@@ -39,6 +39,8 @@ def tracked_losses(args: argparse.Namespace) -> list[str]:
         names.append("seq_load_balancing_loss")
     if "global_aux_loss" in types:
         names.append("global_load_balancing_loss")
+    if getattr(args, "moe_z_loss_coeff", None) is not None:
+        names.append("z_loss")
     return names
 
 
@@ -60,8 +62,12 @@ class MoEMetrics:
             total_loss_dict=totals,
             force_initialize=True,
             track_names=self.names,
+            per_layer_logging=getattr(self.args, "moe_per_layer_logging", False),
+            # Megatron-LM's averages: over the MoE layers of the pattern (dense layers
+            # add nothing), the multi-token-prediction layers included.
             num_layers=self.args.num_layers,
-            moe_layer_freq=1,
+            moe_layer_freq=getattr(self.args, "moe_layer_freq", 1),
+            mtp_num_layers=getattr(self.args, "mtp_num_layers", None),
         )
         return {name: float(value) for name, value in totals.items()}
 

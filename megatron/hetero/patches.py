@@ -417,6 +417,109 @@ def _apply_resharding_p2p() -> object:
     return resharding
 
 
+def _apply_local_attention_context_parallel() -> object:
+    from megatron.hetero.context_parallel import apply_local_attention_context_parallel
+
+    return apply_local_attention_context_parallel()
+
+
+def _apply_local_attention_separate_value_head() -> object:
+    """DotProductAttention takes MLA's k_channels/v_channels (see the patch's why)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original_init = DotProductAttention.__init__
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, *args,
+                 k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        original_init(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs)
+        heads_per_partition = self.num_attention_heads_per_partition
+        if k_channels is not None:
+            # Only the default softmax scale reads it; MLA passes its own (yarn mscale included).
+            self.hidden_size_per_attention_head = k_channels
+        if v_channels is not None:
+            # The context [sq, b, np, v_channels] is flattened to this width after attention.
+            self.hidden_size_per_partition = v_channels * heads_per_partition
+
+    DotProductAttention.__init__ = __init__
+    return __init__
+
+
+def _apply_yarn_rope_on_cpu() -> object:
+    """YarnRotaryEmbedding builds its tables on the CPU when there is no GPU (see the why)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    original_init = YarnRotaryEmbedding.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        original_init(self, *args, **kwargs)
+
+    YarnRotaryEmbedding.__init__ = __init__
+    return __init__
+
+
+def _transformer_engine_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is None
+
+
+def _apply_mla_knows_transformer_engine_missing() -> object:
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+    return multi_latent_attention
+
+
+class _HeldSend:
+    """A pipeline send's Work, held until it is waited once (gloo's Work blocks on a second
+    wait, and it reports itself completed only once waited)."""
+
+    def __init__(self, work) -> None:
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        if self.waited:
+            return True
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def _apply_overlapped_sends_kept() -> object:
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    # gloo cancels a send whose Work is freed before the receiver has posted its receive
+    # (NCCL's sends live on in their stream), so every overlapped send is held until waited.
+    in_flight: list[_HeldSend] = []
+    p2p_ops = p2p_communication._p2p_ops
+
+    def p2p_ops_holding_sends(*args, **kwargs):
+        requests = p2p_ops(*args, **kwargs)
+        in_flight[:] = [send for send in in_flight if not send.waited]
+        for key in [key for key in requests if key.startswith("send")]:
+            requests[key] = _HeldSend(requests[key])
+            in_flight.append(requests[key])
+        return requests
+
+    interleaved = schedules.forward_backward_pipelining_with_interleaving
+
+    @functools.wraps(interleaved)
+    def interleaved_with_sends_finished(*args, **kwargs):
+        result = interleaved(*args, **kwargs)
+        # Its receivers post their receives within this same call: finishing the sends here
+        # cannot wait on anything this rank has still to do.
+        while in_flight:
+            in_flight.pop(0).wait()
+        return result
+
+    p2p_communication._p2p_ops = p2p_ops_holding_sends
+    schedules.forward_backward_pipelining_with_interleaving = interleaved_with_sends_finished
+    return interleaved_with_sends_finished
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -576,6 +679,70 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_host_split_sizes,
+    ),
+    Patch(
+        name="overlapped-pipeline-sends-finished",
+        why=(
+            "the interleaved schedule with --overlap-p2p-communication-warmup-flush leaves the "
+            "last forward send of a forward-only pass (evaluation) unwaited and drops its "
+            "handle; NCCL still delivers it, but gloo (CPU processes) cancels a send whose "
+            "handle is freed before the receiver posts its receive, and the next stage waited "
+            "forever. Overlapped pipeline sends are held until done and finished before the "
+            "schedule returns"
+        ),
+        needed=_no_gpu,
+        apply=_apply_overlapped_sends_kept,
+    ),
+    Patch(
+        name="local-attention-separate-value-head",
+        why=(
+            "multi-latent attention (--multi-latent-attention) builds its core attention with a "
+            "key head size (qk_head_dim + qk_pos_emb_head_dim) different from its value head size "
+            "(v_head_dim), which transformer-engine's attention takes and megatron-core's local "
+            "DotProductAttention refused (no k_channels/v_channels arguments; its output width "
+            "is kv_channels x heads). The local class takes both: scores Q K^T use the key size "
+            "under MLA's own softmax scale, and the output is heads x v_head_dim wide. Inert "
+            "when neither is given"
+        ),
+        needed=lambda: True,
+        apply=_apply_local_attention_separate_value_head,
+    ),
+    Patch(
+        name="yarn-rope-tables-on-cpu",
+        why=(
+            "multi-latent attention builds its YarnRotaryEmbedding (--rope-type yarn, MLA's "
+            "default) without the config's use_cpu_initialization, so it opens "
+            "torch.device(torch.cuda.current_device()), which fails without a GPU. Without one "
+            "the tables are built on the CPU, where every tensor lives anyway"
+        ),
+        needed=_no_gpu,
+        apply=_apply_yarn_rope_on_cpu,
+    ),
+    Patch(
+        name="mla-knows-transformer-engine-missing",
+        why=(
+            "megatron-core's multi_latent_attention imports its transformer-engine classes "
+            "through megatron-core's extensions module, which without transformer-engine "
+            "hands back placeholder objects instead of failing; MLA then believes "
+            "transformer-engine present (HAVE_TE) and isinstance() against the placeholder "
+            "TELinear raises while building every MLA layer. Without transformer-engine its "
+            "HAVE_TE says so"
+        ),
+        needed=_transformer_engine_missing,
+        apply=_apply_mla_knows_transformer_engine_missing,
+    ),
+    Patch(
+        name="local-attention-context-parallel",
+        why=(
+            "megatron-core's local DotProductAttention asserts --context-parallel-size 1 (its "
+            "context parallelism lives in transformer-engine's attention only). Each layer of a "
+            "CP > 1 run all-gathers the keys and values over the context-parallel group (gradients "
+            "reduce-scattered back), puts them in sequence order and masks them causally by the "
+            "true positions of this rank's load-balanced chunks (context_parallel.py): exactly "
+            "full attention. Inert at CP 1"
+        ),
+        needed=lambda: True,
+        apply=_apply_local_attention_context_parallel,
     ),
 )
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetero.errors import HeteroError
+from hetero.errors import HeteroError, PlanError
 from hetero.pipeline_layout import SplitFlags, megatron_split
 from hetero.plan import Plan, RecomputeEntry
 
@@ -35,10 +35,22 @@ from hetero.plan import Plan, RecomputeEntry
 def configure_performance(args: argparse.Namespace, plan: Plan) -> Plan:
     """Checks the performance flags, as Megatron-LM does, and returns the plan with its
     virtual stages filled in when the flags ask for an even interleaved split."""
-    _check_recompute_flags(args)
-    _check_sequence_parallel(args, plan)
+    check_performance_flags(args)
+    return performance_on_plan(args, plan)
+
+
+def check_performance_flags(args: argparse.Namespace) -> None:
+    """The refusals of performance flags, which need no plan: start-up runs them even where
+    no plan could be made, so that a refused flag is reported whatever else is wrong."""
     _check_transformer_engine_features(args)
     _check_overlap(args)
+
+
+def performance_on_plan(args: argparse.Namespace, plan: Plan) -> Plan:
+    """The performance flags against the plan (check_performance_flags aside); returns the
+    plan with its virtual stages filled in when the flags ask for an even interleaved split."""
+    _check_recompute_flags(args)  # first: the per-stage recomputation reads what it settles
+    _check_sequence_parallel(args, plan)
     plan = _with_virtual_stages(args, plan)
     _check_uniform_recompute_groups(args, plan)
     return plan
@@ -57,10 +69,10 @@ def _check_recompute_flags(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
         raise HeteroError("--recompute-granularity full needs --recompute-method uniform|block and "
                           "--recompute-num-layers N")
-    if args.recompute_granularity is None and (args.recompute_method or args.recompute_num_layers):
-        raise HeteroError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
-    if args.recompute_modules is not None and args.recompute_granularity != "selective":
-        raise HeteroError("--recompute-modules is for --recompute-granularity selective")
+    # Without --recompute-granularity, Megatron-LM accepts --recompute-method, --recompute-num-layers
+    # and --recompute-modules and recomputes nothing (megatron-core checks them only under a
+    # granularity); so does this runtime (recompute_fields). With full, --recompute-modules is
+    # likewise unused.
 
 
 def _check_uniform_recompute_groups(args: argparse.Namespace, plan: Plan) -> None:
@@ -92,6 +104,11 @@ def transformer_engine_on_gpu() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def local_attention(args: argparse.Namespace, have_te: bool) -> bool:
+    """Whether the layers use megatron-core's own attention (its local layer spec)."""
+    return args.transformer_impl == "local" or (args.transformer_impl is None and not have_te)
+
+
 def _check_transformer_engine_features(args: argparse.Namespace) -> None:
     have_te = transformer_engine_on_gpu()
     reason = ("transformer-engine is not installed" if torch.cuda.is_available()
@@ -102,17 +119,17 @@ def _check_transformer_engine_features(args: argparse.Namespace) -> None:
                               f"through transformer-engine's userbuffers, and {reason}; drop the flag")
         raise HeteroError("--tp-comm-overlap: transformer-engine's userbuffers are not initialised by "
                           "this release; drop the flag")
-    if args.context_parallel_size != 1:
-        if not have_te:
-            raise HeteroError(f"--context-parallel-size {args.context_parallel_size} needs "
-                              f"transformer-engine's context-parallel attention, and {reason}; "
-                              "use --context-parallel-size 1")
-        raise HeteroError("--context-parallel-size: plans have no context-parallel axis yet; use "
-                          "--context-parallel-size 1")
+    if args.context_parallel_size != 1 and not local_attention(args, have_te):
+        # Context parallelism runs in megatron-core's local attention (patch local-attention-
+        # context-parallel, parity-tested); transformer-engine's ring attention has not been
+        # run by this release (its cp_comm_type variants, hierarchical groups).
+        raise HeteroError(f"--context-parallel-size {args.context_parallel_size} is trained by megatron-core's "
+                          "local attention; transformer-engine's context-parallel attention is not tested "
+                          "with this release: add --transformer-impl local")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not have_te:
         raise HeteroError(f"--cross-entropy-fusion-impl te needs transformer-engine, and {reason}; "
                           "use --cross-entropy-fusion-impl native")
-    local_impl = args.transformer_impl == "local" or (args.transformer_impl is None and not have_te)
+    local_impl = local_attention(args, have_te)
     if args.attention_backend in ("flash", "fused", "unfused") and local_impl:
         raise HeteroError(f"--attention-backend {args.attention_backend} is transformer-engine's "
                           f"attention, and {reason if not have_te else 'the run uses --transformer-impl local'}; "
@@ -162,25 +179,57 @@ def _with_virtual_stages(args: argparse.Namespace, plan: Plan) -> Plan:
                           "overlapped pipeline communication (Megatron-LM: otherwise two sends and "
                           "receives between the same two ranks share one batch); drop "
                           "--no-overlap-p2p-communication")
-    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
-    fewest = min(replica.num_micro_batches for replica in result.replicas)
-    if group is not None and not result.pipeline_parallel <= group <= fewest:
-        # megatron-core's interleaved schedule checks this only when it runs (a ValueError).
-        raise HeteroError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between the "
-                          f"pipeline-parallel size {result.pipeline_parallel} and the micro-batches a replica "
-                          f"runs per iteration ({fewest}, the fewest under the plan); give a value in "
-                          "that range or a larger --global-batch-size")
-    if group is not None:
-        # megatron-core also refuses, when it runs, a last partial group shorter than PP.
-        counts = sorted({replica.num_micro_batches for replica in result.replicas})
-        broken = [n for n in counts if 0 < n % group < result.pipeline_parallel]
-        if broken:
-            raise HeteroError(
-                f"--microbatch-group-size-per-virtual-pipeline-stage {group}: a replica's "
-                f"{broken[0]} micro-batches leave a last group of {broken[0] % group}, fewer than the "
-                f"pipeline-parallel size {result.pipeline_parallel} (megatron-core refuses it); give a "
-                f"group size that divides the micro-batches a replica runs, or another --global-batch-size")
+    _check_micro_batch_groups(args, result)
     return result
+
+
+def _check_micro_batch_groups(args: argparse.Namespace, plan: Plan) -> None:
+    """megatron-core's interleaved schedule runs a replica's M micro-batches in groups of
+    --microbatch-group-size-per-virtual-pipeline-stage N (default: the pipeline-parallel size
+    P) and raises, only when it runs, unless P <= N <= M and the last group, M mod N, is
+    empty or at least P long. Every count a replica runs is checked here: the plan's, which
+    is also evaluation's (Megatron-LM's evaluate runs the whole global batch, never a ramp
+    step), and each --rampup-batch-size step's."""
+    pp = plan.pipeline_parallel
+    given = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    group = given if given is not None else pp
+    flag = (f"--microbatch-group-size-per-virtual-pipeline-stage {group}" if given is not None else
+            f"the interleaved schedule (--microbatch-group-size-per-virtual-pipeline-stage unset: groups of "
+            f"the pipeline-parallel size {pp})")
+    if group < pp:
+        raise HeteroError(f"{flag} is below the pipeline-parallel size {pp} (megatron-core refuses it); "
+                          f"give at least {pp}")
+    counts = {replica.num_micro_batches: "the plan's global batch, in training and evaluation"
+              for replica in plan.replicas}
+    for batch in _ramp_batch_sizes(args, plan):
+        try:
+            counts.update({n: f"the --rampup-batch-size step of {batch} samples"
+                           for n in plan.split_micro_batches(batch) if n not in counts})
+        except PlanError:
+            continue  # the batch schedule names a ramp step the plan cannot split
+    for count, source in sorted(counts.items()):
+        if count < group or 0 < count % group < pp:
+            why = (f"fewer than one group of {group}" if count < group else
+                   f"a last group of {count % group}, shorter than the pipeline-parallel size {pp}")
+            batch = "--rampup-batch-size (a higher start)" if "rampup" in source else "--global-batch-size"
+            raise HeteroError(
+                f"{flag}: a replica runs {count} micro-batches an iteration ({source}), {why}; "
+                f"megatron-core's interleaved schedule refuses that when it runs. Give a {batch} "
+                f"that gives every replica at least {group} micro-batches, a multiple of {group} or "
+                f"one leaving a last group of {pp} or more"
+                + (", or a group size that fits" if given is not None else ""))
+
+
+def _ramp_batch_sizes(args: argparse.Namespace, plan: Plan) -> list[int]:
+    """The global batch sizes of --rampup-batch-size's steps (Megatron-LM's ramp: from the
+    start size up by the increment to the plan's global batch), none without a ramp."""
+    ramp = getattr(args, "rampup_batch_size", None)
+    if not ramp:
+        return []
+    start, increment = int(ramp[0]), int(ramp[1])
+    if increment < 1:
+        return []
+    return list(range(start, plan.global_batch_size, increment))
 
 
 def _even_virtual_split(plan: Plan, per_rank: int | None, per_stage: int | None,

@@ -31,21 +31,31 @@ class Problems:
 
     def __init__(self) -> None:
         self.messages: list[str] = []
+        self._refusals = 0  # the first messages refuse a flag: listed before the others
 
     def __bool__(self) -> bool:
         return bool(self.messages)
 
-    def add(self, message: str) -> None:
-        self.messages.append(message)
+    def add(self, message: str, refusal: bool = False) -> None:
+        """Keeps a problem; a ``refusal`` (a flag or value this runtime does not run) goes
+        before every problem of the layout or the plan, since it stops the launch whatever
+        the layout: the first message is the one to fix first."""
+        if refusal:
+            self.messages.insert(self._refusals, message)
+            self._refusals += 1
+        else:
+            self.messages.append(message)
 
-    def attempt(self, check: Callable[..., Any], *check_args: Any) -> tuple[bool, Any]:
-        """(whether ``check`` passed, what it returned); its problems are kept."""
+    def attempt(self, check: Callable[..., Any], *check_args: Any, refusal: bool = False) -> tuple[bool, Any]:
+        """(whether ``check`` passed, what it returned); its problems are kept (``refusal``:
+        as in ``add``)."""
         try:
             return True, check(*check_args)
         except ProblemList as problems:
-            self.messages += problems.messages
+            for message in problems.messages:
+                self.add(message, refusal)
         except HeteroError as err:
-            self.messages.append(str(err))
+            self.add(str(err), refusal)
         return False, None
 
     def raise_if_any(self) -> None:

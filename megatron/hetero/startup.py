@@ -57,7 +57,7 @@ from megatron.hetero.arguments import (
 from megatron.hetero import distributed
 from megatron.hetero.batch_schedule import batch_schedule
 from megatron.hetero.distributed import RankContext
-from megatron.hetero.performance import configure_performance
+from megatron.hetero.performance import check_performance_flags, performance_on_plan
 from megatron.hetero.problems import Problems
 
 if TYPE_CHECKING:  # importing it here would import megatron-core before step 3
@@ -124,7 +124,7 @@ def configure(argv: Sequence[str], world_size: int, launch: Launch | None = None
     refusals: list[HeteroError] = []
     args = parse_args(argv, refusals)              # refused and unknown flags named here
     for refusal in refusals:
-        problems.add(str(refusal))
+        problems.add(str(refusal), refusal=True)
     if args.use_checkpoint_args:                   # the model flags from the checkpoint, as Megatron-LM
         from megatron.hetero.arguments import honoured_dests
         from megatron.hetero.checkpoint_args import apply_checkpoint_args
@@ -140,12 +140,15 @@ def configure(argv: Sequence[str], world_size: int, launch: Launch | None = None
         args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
         args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
         args.stage_tensor_parallel_sizes = None
-    validated, _ = problems.attempt(validate_args, args)  # Megatron-LM's derived defaults and checks
+    # Megatron-LM's derived defaults and checks: the flags' own problems, listed before the plan's
+    validated, _ = problems.attempt(validate_args, args, refusal=True)
     # validate_args fills every default before it raises, unless a required flag is missing.
     defaults_filled = getattr(args, "params_dtype", None) is not None
+    if defaults_filled:  # a refused performance flag stops the launch whatever the plan: first
+        problems.attempt(check_performance_flags, args, refusal=True)
     if defaults_filled and plan is not None:
         problems.attempt(check_plan_model, args, plan)  # the model the plan was made for
-        performed, configured_plan = problems.attempt(configure_performance, args, plan)
+        performed, configured_plan = problems.attempt(performance_on_plan, args, plan)
         if performed and validated:
             plan = configured_plan                 # virtual stages filled in from the flags
             problems.attempt(batch_schedule, args, plan)  # --train-samples -> iterations; ramp steps
@@ -244,15 +247,16 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
         return plan, args.hetero_plan
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
-    if world_size % (tp * pp):
+    cp = args.context_parallel_size or 1
+    if world_size % (tp * pp * cp):
         raise HeteroError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"({tp} x {pp})"
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
+            f"({tp} x {pp} x {cp})"
         )
     for flag in ("num_layers", "micro_batch_size", "global_batch_size"):
         if getattr(args, flag) is None:
             raise HeteroError(f"missing --{flag.replace('_', '-')} (or give a --hetero-plan)")
-    per_step = args.micro_batch_size * (world_size // (tp * pp))
+    per_step = args.micro_batch_size * (world_size // (tp * pp * cp))
     if args.decrease_batch_size_if_needed and args.global_batch_size % per_step:
         # As Megatron-LM's micro-batch calculator: down to a multiple of micro-batch x replicas.
         decreased = args.global_batch_size // per_step * per_step
@@ -265,14 +269,17 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
     plan = Plan.uniform(
         tensor_parallel=tp,
         pipeline_parallel=pp,
-        data_parallel=world_size // (tp * pp),
+        data_parallel=world_size // (tp * pp * cp),
         micro_batch_size=args.micro_batch_size,
         num_layers=args.num_layers,
         global_batch_size=args.global_batch_size,
         devices=[unplanned] * world_size,
-        expert_parallel=args.expert_model_parallel_size or 1,
-        expert_tensor_parallel=args.expert_tensor_parallel_size,
+        # A model without experts (no --num-experts) has no parameter the expert layout
+        # shapes: megatron-core builds its groups and nothing uses them. The plan takes none.
+        expert_parallel=(args.expert_model_parallel_size or 1) if args.num_experts else 1,
+        expert_tensor_parallel=args.expert_tensor_parallel_size if args.num_experts else None,
         split_flags=split_flags,
+        context_parallel=cp,
     )
     if args.use_tp_pp_dp_mapping:
         plan = plan.model_copy(update={"rank_order": tp_pp_dp_rank_order(plan)})
@@ -281,17 +288,19 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
 
 def tp_pp_dp_rank_order(plan: Plan) -> list[int]:
     """Megatron-LM's --use-tp-pp-dp-mapping as a plan's rank_order: launch rank
-    tp + TP * (pp + PP * dp) plays tensor rank tp of replica dp in stage pp (megatron-core's
-    order "tp-pp-dp" instead of its default, tensor then data then pipeline)."""
+    tp + TP * (cp + CP * (pp + PP * dp)) plays tensor rank tp, context rank cp of replica dp
+    in stage pp (megatron-core's order "tp-cp-ep-pp-dp" instead of its default
+    "tp-cp-ep-dp-pp"; the expert axis lives in its expert grid)."""
     if plan.per_stage_tensor_parallel:
         raise HeteroError("--use-tp-pp-dp-mapping needs one tensor-parallel degree for every stage "
                           "(Megatron-LM's grid); drop the flag: the plan's rank_order places the ranks")
-    tp, pp = plan.tensor_parallel, plan.pipeline_parallel
+    tp, pp, cp = plan.tensor_parallel, plan.pipeline_parallel, plan.context_parallel
     order = [0] * plan.world_size
     for stage in range(pp):
         for replica in range(plan.data_parallel):
-            for rank in range(tp):
-                order[plan.rank_at(rank, replica, stage)] = rank + tp * (stage + pp * replica)
+            for context in range(cp):
+                for rank in range(tp):
+                    order[plan.rank_at(rank, replica, stage, context)] = rank + tp * (context + cp * (stage + pp * replica))
     return order
 
 

@@ -42,6 +42,7 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.hetero import adapt, data, distributed, startup
 from megatron.hetero.arguments import config_from_flags
 from megatron.core.timers import Timers
@@ -107,6 +108,9 @@ def get_batch(data_iterator: Iterator[dict] | None):
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
+    # Context parallelism: this rank's two load-balanced chunks of every sequence (the
+    # attention mask keeps all its columns: context_parallel.py), as Megatron-LM's get_batch.
+    batch = get_batch_on_this_cp_rank(batch)
     return (
         batch["tokens"],
         batch["labels"],
@@ -458,7 +462,9 @@ class Trainer:
         reduced = {}
         for key in losses_per_micro_batch[0]:
             totals = torch.stack([m[key].view(-1) for m in losses_per_micro_batch]).sum(dim=0)
-            torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+            # Context ranks hold different tokens of the same sequences: their sums add up too.
+            torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group(
+                with_context_parallel=True))
             reduced[key] = (totals[0] / totals[1].clamp(min=1)).item()
         return reduced
 
@@ -786,7 +792,7 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
     print_rank_0(arguments_block(args))
     print_rank_0(
         f"using world size: {plan.world_size}, data-parallel size: {plan.data_parallel}, "
-        f"context-parallel size: 1, tensor-model-parallel size: "
+        f"context-parallel size: {plan.context_parallel}, tensor-model-parallel size: "
         f"{'/'.join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel}, "
         f"pipeline-model-parallel size: {plan.pipeline_parallel}"
     )
@@ -795,7 +801,9 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
         for logical in range(plan.world_size):
             c, d = plan.coords(logical), plan.device_of_logical(logical)
             print_rank_0(
-                f"    logical rank {logical:4d} (tp {c.tp_rank}, dp {c.dp_rank}, pp {c.pp_rank}) "
+                f"    logical rank {logical:4d} (tp {c.tp_rank}, "
+                + (f"cp {c.cp_rank}, " if plan.context_parallel > 1 else "")
+                + f"dp {c.dp_rank}, pp {c.pp_rank}) "
                 f"-> launch rank {plan.launch_rank(logical):4d} on {d.host} ({d.device_type}, {d.vendor})"
             )
     if schedule.ramps:

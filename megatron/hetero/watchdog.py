@@ -274,10 +274,11 @@ def describe_lost(rank: LostRank) -> str:
 def neighbours(plan: Plan, launch_rank: int) -> list[int]:
     """Launch ranks this one exchanges data with directly."""
     me = plan.coords(plan.logical_rank(launch_rank))
-    logical = set(plan.tensor_group(me.dp_rank, me.pp_rank))
-    pipeline = plan.pipeline_group(me.tp_rank, me.dp_rank)
+    logical = set(plan.tensor_group(me.dp_rank, me.pp_rank, me.cp_rank))
+    logical.update(plan.context_group(me.tp_rank, me.dp_rank, me.pp_rank))
+    pipeline = plan.pipeline_group(me.tp_rank, me.dp_rank, me.cp_rank)
     logical.update(pipeline[max(0, me.pp_rank - 1): me.pp_rank + 2])
-    data = plan.data_group(me.tp_rank, me.pp_rank)
+    data = plan.data_group(me.tp_rank, me.pp_rank, me.cp_rank)
     logical.update(data[(me.dp_rank + step) % len(data)] for step in (-1, 1))
     return sorted(plan.launch_rank(r) for r in logical if plan.launch_rank(r) != launch_rank)
 

@@ -11,8 +11,9 @@ layers) and changes only what a plan decides and Megatron-LM's flags cannot say:
    layers per virtual stage).
 2. Replicas: where DP > 1, the global batch's micro-batches shared out in proportion
    2 : 1 : ... : 1 (replica 0 as if on devices twice as fast) by hetero.balance's
-   largest-remainder rule, in whole groups of PP micro-batches under the interleaved
-   schedule (megatron-core runs them so). Replicas whose ranks share an expert-parallel
+   largest-remainder rule, in whole units of the interleaved schedule (scale.Layout.
+   replica_unit: PP micro-batches, or lcm(PP, N) with the recipe's group size N; megatron-core
+   runs them so). Replicas whose ranks share an expert-parallel
    group run equal counts (their all-to-alls must line up: hetero.plan's rule), so an
    expert-parallel recipe whose one expert group spans every replica gets equal replicas.
 3. Ranks: logical rank i runs on launch rank world - 1 - i (the launch order reversed), so
@@ -125,13 +126,14 @@ def plan_for(pairs: list[list[str]], argv: list[str], layout: Layout) -> RecipeP
     if layout.pp > 1:
         shown = "/".join("+".join(map(str, chunks)) for chunks in split)
         notes.append(f"stages {shown}" + (f" (as {pinned[0]} gives)" if pinned else ""))
-    group = layout.pp if layout.virtual > 1 else 1
-    replicas = _replica_micro_batches(global_batch // micro, layout.dp, group)
-    expert_tp = int(values["--expert-tensor-parallel-size"]) if values.get("--expert-tensor-parallel-size") else None
-    bound = expert_parallel_problems([layout.tp] * layout.pp, replicas, layout.ep, expert_tp)
+    replicas = _replica_micro_batches(global_batch // micro, layout.dp, layout.replica_unit)
+    # A model without experts has no parameter the expert layout shapes (the runtime's rule).
+    expert_tp = (int(values["--expert-tensor-parallel-size"])
+                 if values.get("--expert-tensor-parallel-size") and values.get("--num-experts") else None)
+    bound = expert_parallel_problems([layout.tp] * layout.pp, replicas, layout.ep, expert_tp, layout.cp)
     if bound:  # replicas sharing an expert-parallel all-to-all run equal counts (the plan's rule)
         replicas = [global_batch // micro // layout.dp] * layout.dp
-        unrunnable = expert_parallel_problems([layout.tp] * layout.pp, replicas, layout.ep, expert_tp)
+        unrunnable = expert_parallel_problems([layout.tp] * layout.pp, replicas, layout.ep, expert_tp, layout.cp)
         if unrunnable:  # the runtime refuses this expert layout under any plan, and without one
             return RecipePlan(None, f"no plan: {unrunnable[0]}")
     if layout.dp > 1:
@@ -139,13 +141,11 @@ def plan_for(pairs: list[list[str]], argv: list[str], layout: Layout) -> RecipeP
         if bound:
             equal = " (equal: one expert-parallel group spans them)"
         notes.append(f"replicas {'/'.join(map(str, replicas))}{equal}")
-    world = layout.tp * layout.pp * layout.dp
+    world = layout.tp * layout.cp * layout.pp * layout.dp
     if world == 1:
         notes.append("one process: nothing to vary")
     else:
         notes.append("ranks reversed" + ("" if notes else " (DP 1, PP 1: no other freedom)"))
-    if layout.cp > 1:  # the runtime refuses the recipe's context parallelism under any plan
-        notes.append(f"{world} processes: plans have no context-parallel axis")
     plan = Plan(
         version=PLAN_VERSION,
         tensor_parallel=layout.tp,
@@ -159,5 +159,6 @@ def plan_for(pairs: list[list[str]], argv: list[str], layout: Layout) -> RecipeP
         devices=[CPU] * world,
         expert_parallel=layout.ep,
         expert_tensor_parallel=expert_tp,
+        context_parallel=layout.cp,
     )
     return RecipePlan(plan, ", ".join(notes))

@@ -15,7 +15,11 @@ recipe gives them (GPU-only kernel choices are the runtime's to substitute on th
    names, one fewer on the stage where --account-for-embedding/loss-in-pipeline-split counts
    the embedding or the loss as a layer (the recipe's uneven split stays uneven); the
    recipe's own count where its --pipeline-model-parallel-layout places every layer;
-   sequence 32; micro-batch at most 2, micro-batches max(2, PP) a replica; vocabulary 1000.
+   sequence 32; micro-batch at most 2, micro-batches max(2, PP) a replica, rounded up to a
+   whole number of the interleaved schedule's unit where the recipe interleaves (Layout.
+   replica_unit: PP, or lcm(PP, N) where it sets --microbatch-group-size-per-virtual-pipeline-
+   stage N; megatron-core runs such counts in training and in evaluation, which runs the whole
+   global batch too); vocabulary 1000.
 3. Length: 3 iterations (3 global batches of samples); decay over them, warm-up 1; log
    every iteration, evaluate at 2 on 1 batch (none where the recipe evaluates none).
 4. Data and files: --data-path -> --mock-data; tokenizer files of the recipe's type built
@@ -49,6 +53,17 @@ class Layout:
     cp: int
     ep: int
     virtual: int  # model chunks a pipeline rank holds
+    group: int | None = None  # --microbatch-group-size-per-virtual-pipeline-stage
+
+    @property
+    def replica_unit(self) -> int:
+        """A replica's micro-batches are a whole number of these. The interleaved schedule
+        runs them in groups of N (the recipe's group size, else PP) and megatron-core refuses
+        fewer than N or a last group shorter than PP; a plan's counts are multiples of PP.
+        Every multiple of lcm(PP, N) is all of these (N < PP: refused whatever the count)."""
+        if self.virtual == 1:
+            return 1
+        return math.lcm(self.pp, self.group) if self.group and self.group >= self.pp else self.pp
 
     @property
     def dp(self) -> int:
@@ -93,9 +108,10 @@ def layout_of(pairs: list[list[str]]) -> Layout:
     per_stage = _int(flags, "--num-layers-per-virtual-pipeline-stage", 0)
     if per_stage:
         virtual = max(1, _int(flags, "--num-layers", pp) // (pp * per_stage))
+    group = _int(flags, "--microbatch-group-size-per-virtual-pipeline-stage", 0) or None
     return Layout(tp=_int(flags, "--tensor-model-parallel-size", 1), pp=pp,
                   cp=_int(flags, "--context-parallel-size", 1),
-                  ep=_int(flags, "--expert-model-parallel-size", 1), virtual=virtual)
+                  ep=_int(flags, "--expert-model-parallel-size", 1), virtual=virtual, group=group)
 
 
 def _num_layers(flags: dict[str, str | None], lay: Layout) -> int:
@@ -121,7 +137,7 @@ def sizes(pairs: list[list[str]]) -> dict[str, str]:
     hidden = 16 * heads
     topk = _int(flags, "--moe-router-topk", 2)
     micro = min(2, _int(flags, "--micro-batch-size", 1))
-    per_replica = max(2, lay.pp)
+    per_replica = -(-max(2, lay.pp) // lay.replica_unit) * lay.replica_unit
     global_batch = micro * lay.dp * per_replica
     layers = _num_layers(flags, lay)
     warmup_samples = global_batch if _int(flags, "--lr-warmup-samples", 0) else 0

@@ -10,7 +10,7 @@ Each flag has exactly one status (``rules``):
   feature is and what to do (``catalog`` holds the reasons).
 
 A refused flag given with Megatron-LM's default value asks for nothing Megatron-LM would do
-differently without it (``--context-parallel-size 1``), so it is accepted as a no-op.
+differently without it (``--cp-comm-type p2p``), so it is accepted as a no-op.
 
 Modules: ``facts`` (Megatron-LM's flags), ``reads`` (where Megatron-LM's pretrain_gpt.py reads
 each; the no-op rule), ``declare`` (honoured flags declared from the facts), ``catalog`` (our rulings on the flags arguments.py

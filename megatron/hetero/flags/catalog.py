@@ -53,9 +53,10 @@ THEMES: dict[str, Theme] = {
         "--num-layers-per-virtual-pipeline-stage or the plan's stages[s].virtual_stages)"),
     "context_parallel": Theme(
         "context parallelism",
-        "context parallelism (each sequence split over ranks), for which heterogeneous plans "
-        "have no axis",
-        "remove it (Megatron-LM's default, --context-parallel-size 1, is accepted)"),
+        "a variant of transformer-engine's context-parallel attention (its communication types, "
+        "hierarchical or hybrid context groups), which this release does not run",
+        "remove it (--context-parallel-size itself runs: megatron-core's attention gathers each "
+        "layer's keys and values over the context ranks)"),
     "low_precision": Theme(
         "FP8 and FP4 training",
         "FP8/FP4 training needs transformer-engine on Hopper/Ada/Blackwell/MI300 GPUs"),
@@ -80,11 +81,10 @@ THEMES: dict[str, Theme] = {
         "routing flag of megatron-core is honoured, expert parallelism included",
         "remove it"),
     "mla": Theme(
-        "multi-latent attention",
-        "multi-latent attention (DeepSeek's MLA) runs on transformer-engine's attention only: "
-        "megatron-core 0.16.1's local attention layer, which Megatron-Hetero runs wherever "
-        "transformer-engine is missing (CPUs, non-NVIDIA devices, mixed clusters), cannot take "
-        "MLA's separate key and value head sizes", "remove it"),
+        "multi-latent attention inference options",
+        "caching multi-latent attention's compressed latents, an inference option of "
+        "megatron-core's MLA flash decoding (training never reads it; --multi-latent-attention "
+        "and its shape flags run)", "remove it"),
     "attention_variants": Theme(
         "experimental attention variants",
         "an experimental attention variant (gated delta net, DeepSeek sparse attention), QK "
@@ -182,7 +182,6 @@ REASONS: dict[str, str] = {
 # other than Megatron-LM's default is refused at start-up (validate_args, configure_performance):
 # refused, under this theme. Given at the default they change nothing, as any refused flag.
 DEFAULT_ONLY: dict[str, str] = {
-    "--context-parallel-size": "context_parallel",
     "--tp-comm-overlap": "overlap",
 }
 
@@ -311,14 +310,12 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--ep-overlap-early-attn-memory-release", "--moe-latent-size",
         "--moe-shared-expert-overlap",
         "--moe-use-legacy-grouped-gemm",
-        "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-per-layer-logging",
+        "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
         "--moe-deepep-num-sms",
         "--moe-hybridep-num-sms", "--moe-use-upcycling",
     ),
     "mla": (
-        "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-        "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type", "--rotary-scaling-factor",
-        "--mscale", "--mscale-all-dim", "--cache-mla-latents",
+        "--cache-mla-latents",
     ),
     "attention_variants": (
         "--experimental-attention-variant", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",

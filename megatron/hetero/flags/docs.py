@@ -71,7 +71,7 @@ no-op below; adding `--hetero-plan plan.json` runs it under a heterogeneous plan
   apart from the default differences listed under "Honoured".
 - Refused flags that the runtime reads run at Megatron-LM's default and refuse any other
   value by name when the flags are validated, right after parsing: {default_only}.
-- A refused flag given with Megatron-LM's default value (`--context-parallel-size 1`)
+- A refused flag given with Megatron-LM's default value (`--cp-comm-type p2p`)
   asks for nothing and is accepted as a no-op.
 - A flag that is not Megatron-LM's is an error; "did you mean" is offered only for a real
   typo (`--hiden-size`, `--tensor-parallel-size`), never for a flag of another unit or
