@@ -11,7 +11,6 @@ grid, and whole jobs (CP 2, TP 2 x CP 2, a plan with unequal replicas) against o
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from hetero.errors import HeteroError, PlanError
 from hetero.plan import Plan
 from megatron.hetero.context_parallel import chunk_positions, full_sequence_keys_values
 from megatron.hetero.startup import configure
+from spawned_ranks import run_on_ranks
 
 
 CPU = {"host": "localhost", "device_type": "cpu", "vendor": "cpu"}
@@ -105,12 +105,6 @@ def test_gathered_keys_and_causal_mask_give_full_attention(cp_size, heads, group
                                   lambda local: torch.cat([local] * 4))
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _attention_rank(rank, world, port, heads, groups, results):
     """One context rank: megatron-core's DotProductAttention (patched) on its chunks."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -153,19 +147,9 @@ def _attention_rank(rank, world, port, heads, groups, results):
 
 @pytest.mark.slow
 def test_patched_megatron_attention_on_two_context_ranks():
-    import multiprocessing
-
-    # Fresh processes: a fork of this one, whose OpenMP threads already ran, can hang in them.
-    context = multiprocessing.get_context("spawn")
-    for heads, groups in ((4, 2),):
-        results, port = context.Queue(), _free_port()
-        ranks = [context.Process(target=_attention_rank, args=(r, 2, port, heads, groups, results)) for r in range(2)]
-        for process in ranks:
-            process.start()
-        outcomes = dict(results.get(timeout=60) for _ in ranks)
-        for process in ranks:
-            process.join(timeout=30)
-        assert outcomes == {0: "ok", 1: "ok"}, outcomes
+    heads, groups = 4, 2
+    outcomes = run_on_ranks(_attention_rank, 2, heads, groups, timeout=60)
+    assert outcomes == {0: "ok", 1: "ok"}, outcomes
 
 
 # ----- the plan's context axis -------------------------------------------------------------

@@ -10,7 +10,6 @@ and a shared expert, a DeepSeek-V3-shaped proxy - on one process, TP 2, CP 2 and
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from conftest import TRAINING, assert_same_training, make_plan, run_pretrain
 from hetero.errors import HeteroError
 from megatron.hetero.arguments import parse_args
+from spawned_ranks import run_on_ranks
 
 MLA = [
     "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
@@ -54,12 +54,6 @@ def reference_attention(query, key, value, scale):
     scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
     out = torch.einsum("bnqk,kbnd->qbnd", scores.softmax(-1), value)
     return out.reshape(length, query.size(1), -1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _attention_rank(rank, world, port, results):
@@ -117,16 +111,7 @@ def _attention_rank(rank, world, port, results):
 
 @pytest.mark.slow
 def test_local_attention_runs_mla_heads_under_tensor_parallelism():
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")  # a fork of this process can hang in OpenMP
-    results, port = context.Queue(), _free_port()
-    ranks = [context.Process(target=_attention_rank, args=(r, 2, port, results)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    outcomes = dict(results.get(timeout=120) for _ in ranks)
-    for process in ranks:
-        process.join(timeout=30)
+    outcomes = run_on_ranks(_attention_rank, 2)
     assert outcomes == {0: "ok", 1: "ok"}, outcomes
 
 
