@@ -27,11 +27,20 @@ CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 DRAWN = 40
 
 
+def _estimate_and_prediction(planner, cluster, candidate, plan) -> tuple[float, float] | None:
+    """(fast estimate, predict()) seconds of a plan that fits; both must agree that it fits."""
+    fits, estimate_s = planner.estimate(plan)
+    prediction = predict(plan, cluster, planner.costs_for(candidate.tensor_parallel))
+    assert fits == prediction.fits, (candidate, prediction.problems)
+    return (estimate_s, prediction.iteration_time_s) if fits else None
+
+
 @pytest.mark.parametrize("cluster_file, model_name", [
     ("sailor_like_128.yaml", "opt-350m"),  # A100-40GB + V100-16GB on one network
     ("poplar_like.yaml", "gpt-neo-2.7b"),  # A100-80GB + A100-40GB
 ])
 @pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+
 def test_fast_estimate_agrees_with_predict(cluster_file: str, model_name: str, untied: bool) -> None:
     cluster = Cluster.load(CLUSTERS / cluster_file)
     model = load_model(model_name).with_seq_length(2048)
@@ -43,13 +52,10 @@ def test_fast_estimate_agrees_with_predict(cluster_file: str, model_name: str, u
     assert any(len(set(c.stage_degrees())) > 1 and len(c.layers) > 1 for c in drawn)
     estimated, predicted = [], []
     for candidate in drawn:
-        plan = planner.materialize(candidate, candidate.order)
-        fits, estimate_s = planner.estimate(plan)
-        prediction = predict(plan, cluster, planner.costs_for(candidate.tensor_parallel))
-        assert fits == prediction.fits, (candidate, prediction.problems)
-        if fits:
-            estimated.append(estimate_s)
-            predicted.append(prediction.iteration_time_s)
+        pair = _estimate_and_prediction(planner, cluster, candidate, planner.materialize(candidate, candidate.order))
+        if pair:
+            estimated.append(pair[0])
+            predicted.append(pair[1])
     assert len(estimated) >= DRAWN // 2
     tau = kendalltau(estimated, predicted).statistic
     assert tau >= 0.9, f"Kendall tau {tau:.3f} between fast estimate and predict()"
@@ -74,12 +80,10 @@ def test_fast_estimate_agrees_with_predict_where_expert_groups_cross_nodes() -> 
         if plan is None:  # its stages' ranks do not split into groups of 16
             continue
         assert all(len(set(expert_group_hosts(plan, 0, s))) > 1 for s in range(plan.pipeline_parallel))
-        fits, estimate_s = planner.estimate(plan)
-        prediction = predict(plan, cluster, planner.costs_for(candidate.tensor_parallel))
-        assert fits == prediction.fits, (candidate, prediction.problems)
-        if fits:
-            estimated.append(estimate_s)
-            predicted.append(prediction.iteration_time_s)
+        pair = _estimate_and_prediction(planner, cluster, candidate, plan)
+        if pair:
+            estimated.append(pair[0])
+            predicted.append(pair[1])
         if len(estimated) == DRAWN:
             break
     assert len(estimated) == DRAWN
