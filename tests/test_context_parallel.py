@@ -10,7 +10,6 @@ grid, and whole jobs (CP 2, TP 2 x CP 2, a plan with unequal replicas) against o
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -105,44 +104,33 @@ def test_gathered_keys_and_causal_mask_give_full_attention(cp_size, heads, group
                                   lambda local: torch.cat([local] * 4))
 
 
-def _attention_rank(rank, world, port, heads, groups, results):
+def _attention_rank(rank, world, heads, groups):
     """One context rank: megatron-core's DotProductAttention (patched) on its chunks."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron.hetero.patches import apply_patches
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-        apply_patches()
-        from megatron.core import parallel_state
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-        from megatron.core.transformer.enums import AttnMaskType
-        from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        parallel_state.initialize_model_parallel(context_parallel_size=world)
-        model_parallel_cuda_manual_seed(0)  # the attention's dropout region forks its RNG tracker
-        dim, length, batch = 8, 8 * world, 2
-        config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
-                                   num_query_groups=groups, context_parallel_size=world, attention_dropout=0.0,
-                                   use_cpu_initialization=True)
-        attention = DotProductAttention(config, 1, AttnMaskType.causal, "self")
-        torch.manual_seed(0)  # every rank draws the same whole sequence
-        tensors = [torch.randn(length, batch, n, dim) for n in (heads, groups, groups)]
-        grad_out = torch.randn(length, batch, heads * dim)
-        full = [t.clone().requires_grad_() for t in tensors]
-        reference_attention(*full).backward(grad_out)
-        local = [_local(t, world, rank).requires_grad_() for t in tensors]
-        out = attention(*local, attention_mask=None)
-        out.backward(_local(grad_out, world, rank))
-        torch.testing.assert_close(out, _local(reference_attention(*tensors), world, rank))
-        for name, mine, ref in zip("qkv", local, full):
-            torch.testing.assert_close(mine.grad, _local(ref.grad, world, rank), msg=f"gradient of {name}")
-        results.put((rank, "ok"))
-    except BaseException as err:  # the parent reports it
-        results.put((rank, repr(err)))
-    finally:
-        torch.distributed.destroy_process_group()
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    model_parallel_cuda_manual_seed(0)  # the attention's dropout region forks its RNG tracker
+    dim, length, batch = 8, 8 * world, 2
+    config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                               num_query_groups=groups, context_parallel_size=world, attention_dropout=0.0,
+                               use_cpu_initialization=True)
+    attention = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    torch.manual_seed(0)  # every rank draws the same whole sequence
+    tensors = [torch.randn(length, batch, n, dim) for n in (heads, groups, groups)]
+    grad_out = torch.randn(length, batch, heads * dim)
+    full = [t.clone().requires_grad_() for t in tensors]
+    reference_attention(*full).backward(grad_out)
+    local = [_local(t, world, rank).requires_grad_() for t in tensors]
+    out = attention(*local, attention_mask=None)
+    out.backward(_local(grad_out, world, rank))
+    torch.testing.assert_close(out, _local(reference_attention(*tensors), world, rank))
+    for name, mine, ref in zip("qkv", local, full):
+        torch.testing.assert_close(mine.grad, _local(ref.grad, world, rank), msg=f"gradient of {name}")
 
 
 @pytest.mark.slow

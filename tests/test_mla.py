@@ -9,7 +9,6 @@ and a shared expert, a DeepSeek-V3-shaped proxy - on one process, TP 2, CP 2 and
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -56,57 +55,46 @@ def reference_attention(query, key, value, scale):
     return out.reshape(length, query.size(1), -1)
 
 
-def _attention_rank(rank, world, port, results):
+def _attention_rank(rank, world):
     """One tensor-parallel rank: MLA's layer builds megatron-core's DotProductAttention
     (patched) with MLA's sizes and scale; its heads run against the reference."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron.hetero.patches import apply_patches
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        apply_patches()
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.enums import AttnMaskType
-        from megatron.core.transformer.spec_utils import build_module
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(0)  # the attention's dropout region forks its RNG tracker
+    heads, qk, pos, v, scaling, mscale_all_dim = 4, 16, 8, 12, 4.0, 0.707
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=heads, q_lora_rank=32, kv_lora_rank=16,
+        qk_head_dim=qk, qk_pos_emb_head_dim=pos, v_head_dim=v, rope_type="yarn",
+        rotary_scaling_factor=scaling, mscale=mscale_all_dim, mscale_all_dim=mscale_all_dim,
+        tensor_model_parallel_size=world, attention_dropout=0.0, use_cpu_initialization=True)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True).submodules.self_attention
+    layer = build_module(spec, config=config, layer_number=1)
+    attention = layer.core_attention
+    scale = yarn_mscale(scaling, mscale_all_dim) ** 2 / math.sqrt(qk + pos)
+    assert abs(attention.softmax_scale - scale) < 1e-12, (attention.softmax_scale, scale)
+    assert layer.attn_mask_type == AttnMaskType.causal
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        model_parallel_cuda_manual_seed(0)  # the attention's dropout region forks its RNG tracker
-        heads, qk, pos, v, scaling, mscale_all_dim = 4, 16, 8, 12, 4.0, 0.707
-        config = MLATransformerConfig(
-            num_layers=1, hidden_size=64, num_attention_heads=heads, q_lora_rank=32, kv_lora_rank=16,
-            qk_head_dim=qk, qk_pos_emb_head_dim=pos, v_head_dim=v, rope_type="yarn",
-            rotary_scaling_factor=scaling, mscale=mscale_all_dim, mscale_all_dim=mscale_all_dim,
-            tensor_model_parallel_size=world, attention_dropout=0.0, use_cpu_initialization=True)
-        spec = get_gpt_layer_local_spec(multi_latent_attention=True).submodules.self_attention
-        layer = build_module(spec, config=config, layer_number=1)
-        attention = layer.core_attention
-        scale = yarn_mscale(scaling, mscale_all_dim) ** 2 / math.sqrt(qk + pos)
-        assert abs(attention.softmax_scale - scale) < 1e-12, (attention.softmax_scale, scale)
-        assert layer.attn_mask_type == AttnMaskType.causal
-
-        torch.manual_seed(0)  # every rank draws all heads, then takes its own
-        length, batch, local_heads = 8, 2, heads // world
-        full = [torch.randn(length, batch, heads, d) for d in (qk + pos, qk + pos, v)]
-        grad_out = torch.randn(length, batch, heads, v)
-        reference = [t.clone().requires_grad_() for t in full]
-        expected = reference_attention(*reference, scale)
-        expected.backward(grad_out.reshape(length, batch, -1))
-        mine = slice(rank * local_heads, (rank + 1) * local_heads)
-        local = [t[:, :, mine].clone().requires_grad_() for t in full]
-        out = attention(*local, attention_mask=None)
-        assert out.shape == (length, batch, local_heads * v), out.shape
-        out.backward(grad_out[:, :, mine].reshape(length, batch, -1))
-        torch.testing.assert_close(out, expected.view(length, batch, heads, v)[:, :, mine].reshape(out.shape))
-        for name, tensor, ref in zip("qkv", local, reference):
-            torch.testing.assert_close(tensor.grad, ref.grad[:, :, mine], msg=f"gradient of {name}")
-        results.put((rank, "ok"))
-    except BaseException as err:  # the parent reports it
-        results.put((rank, repr(err)))
-    finally:
-        torch.distributed.destroy_process_group()
+    torch.manual_seed(0)  # every rank draws all heads, then takes its own
+    length, batch, local_heads = 8, 2, heads // world
+    full = [torch.randn(length, batch, heads, d) for d in (qk + pos, qk + pos, v)]
+    grad_out = torch.randn(length, batch, heads, v)
+    reference = [t.clone().requires_grad_() for t in full]
+    expected = reference_attention(*reference, scale)
+    expected.backward(grad_out.reshape(length, batch, -1))
+    mine = slice(rank * local_heads, (rank + 1) * local_heads)
+    local = [t[:, :, mine].clone().requires_grad_() for t in full]
+    out = attention(*local, attention_mask=None)
+    assert out.shape == (length, batch, local_heads * v), out.shape
+    out.backward(grad_out[:, :, mine].reshape(length, batch, -1))
+    torch.testing.assert_close(out, expected.view(length, batch, heads, v)[:, :, mine].reshape(out.shape))
+    for name, tensor, ref in zip("qkv", local, reference):
+        torch.testing.assert_close(tensor.grad, ref.grad[:, :, mine], msg=f"gradient of {name}")
 
 
 @pytest.mark.slow
