@@ -176,7 +176,8 @@ def predict_gpu_row(row: GpuRow) -> Prediction:
 # Every published row is FP8 except gpt-oss's (no preset: sliding-window attention and
 # attention sinks). FP8 is priced as transformer-engine runs it (hetero/predict/costs.py:
 # linear layers' GEMMs at the fp8 rate measured on an H200, their inputs' casts; bf16
-# activations, attention and communication).
+# activations, attention and communication), with the recipes' current (tensorwise) scaling:
+# every H100 recipe is "FP8_CS".
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ class MoeRow:
     """The recipe's moe_a2a_overlap (Megatron's --overlap-moe-expert-parallel-comm)."""
     dispatcher: str = "alltoall"
     """flex where the recipe selects DeepEP or HybridEP, else megatron-core's all-to-all."""
+    recompute: str = "none"
+    """The recipe's recomputation (hetero/spec/recompute.py names)."""
     not_compared: str | None = None
     """Why a published row is shown but left out of the comparison."""
 
@@ -229,10 +232,10 @@ MOE_TABLE = [
     # 25.09 container, DGX-H100 row "DeepSeekV3 (dropless)": FP8 (per-tensor), 338 model
     # TFLOP/s/GPU. Recipe (v0.2.1 configs): DeepEP flex dispatcher, all-to-all overlapped with
     # another micro-batch's compute (moe_a2a_overlap), selective recomputation of MLA's up-
-    # projections and the MLP: none of the three is priced. 61 layers over 8 x 4 chunks.
+    # projections and the dense layers' MLP. 61 layers over 8 x 4 chunks.
     MoeRow("DeepSeek-V3 671B", "deepseek-v3", "Megatron-Bridge archive, 25.09, DGX-H100", "fp8",
            1024, 8192, 1, 2, 8, 4, 64, 1297, layout="Et|(tt|)*29t|tL", a2a_overlap=True,
-           dispatcher="flex"),
+           dispatcher="flex", recompute="selective:mla_up_proj,mlp"),
     # 25.09, "Qwen3_30B_a3B (tokendrop)": 241 TFLOP/s/GPU.
     MoeRow("Qwen3-30B-A3B (token-drop)", "qwen3-30b-a3b", "Megatron-Bridge archive, 25.09, DGX-H100", "fp8",
            16, 512, 2, 1, 2, 24, 8, 10494),
@@ -279,16 +282,16 @@ def predict_moe_row(row: MoeRow, a2a_overlap: bool | None = None) -> Prediction:
                         expert_tensor_parallel=1 if row.expert_parallel > 1 else None)
     plan = Plan.from_dict({**plan.to_dict(), "devices": devices})
     setup = TrainingSetup(row.precision, distributed_optimizer=True, fused_kernels=True, dropout=False,
+                          recompute=row.recompute,
                           sequence_parallel=row.tensor_parallel > 1, virtual_stages=row.virtual_stages,
                           overlap_grad_reduce=True, overlap_param_gather=True, moe_a2a_overlap=row.a2a_overlap if a2a_overlap is None else a2a_overlap,
-                          moe_dispatcher=row.dispatcher)
+                          moe_dispatcher=row.dispatcher, fp8_recipe="tensorwise")
     return predict(plan, cluster, CostModel(cluster, model, setup))
 
 
 def compare_moe() -> list[dict]:
     """Each row predicted as its recipe runs; where the recipe overlaps the all-to-alls also
-    without the overlap: the model hides them fully under the other micro-batch's compute (a
-    bound: the communication kernels also take SMs from that compute), so the two bracket it."""
+    without the overlap (every all-to-all exposed, an upper bound)."""
     results = []
     for row in MOE_TABLE:
         prediction = predict_moe_row(row)

@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 from hetero.errors import HeteroError
 from hetero.jobs import Objective, explain, plan_for_objective
 from hetero.plan import Plan
-from hetero.predict.costs import RECOMPUTE_MODES, TrainingSetup
+from hetero.predict.costs import TrainingSetup
+from hetero.spec.recompute import MODES as RECOMPUTE_MODES, mode as recompute_mode
 from hetero.report import (measured_against_predicted, measured_iteration_times_s, memory_table, summary,
                            timeline_png)
 from hetero.search.planner import PlannerOptions
@@ -213,7 +214,7 @@ def _flags_inputs(args: argparse.Namespace, job: FlagsJob) -> _JobInputs:
     if global_batch is None:
         raise HeteroError("the flags leave out --global-batch-size: add it to them (or give hetero-plan "
                           "--global-batch-size); the plan splits it between the replicas")
-    if job.recompute and args.recompute not in (None, job.recompute):
+    if job.recompute and args.recompute not in (None, recompute_mode(job.recompute)):
         raise HeteroError(f"--recompute {args.recompute} contradicts the flags' recomputation ({job.recompute})")
     if job.sequence_parallel and args.sequence_parallel == "off":
         raise HeteroError("--sequence-parallel off contradicts the flags' --sequence-parallel")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetero.record import MAX_COUNT, Count
 from hetero.spec.cluster import ClusterSpec, NodeSpec
+from hetero.spec.recompute import MODULES as RECOMPUTE_MODULES, selective as selective_recompute
 
 
 
@@ -39,6 +40,9 @@ class RecomputeEntry(BaseModel):
             raise ValueError('full recomputation needs "method" (uniform or block) and "num_layers"')
         if self.granularity == "selective" and (self.method is not None or self.num_layers is not None):
             raise ValueError('selective recomputation takes no "method" or "num_layers" (only "modules")')
+        unknown = sorted(set(self.modules or ()) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(f"modules {', '.join(unknown)}: megatron-core recomputes {', '.join(RECOMPUTE_MODULES)}")
         return self
 
 
@@ -54,12 +58,15 @@ class StageEntry(_Entry):
     device_types: list[str] | None = Field(
         default=None, description="informational (hetero-plan): the device types that run this stage")
 
-    def recompute_mode(self) -> Literal["none", "selective", "full"] | None:
-        """What the cost model needs of recompute_setting: the mode (None: the flags')."""
+    def recompute_mode(self) -> str | None:
+        """What the cost model needs of recompute_setting (hetero/spec/recompute.py: none,
+        full, selective or selective:MODULE,...; None: the flags')."""
         setting = self.recompute_setting()
         if setting == "flags":
             return None
-        return "none" if setting is None else setting.granularity
+        if setting is None:
+            return "none"
+        return selective_recompute(setting.modules) if setting.granularity == "selective" else "full"
 
     def recompute_setting(self) -> RecomputeEntry | None | Literal["flags"]:
         """The stage's own setting: a RecomputeEntry, None (no recomputation), or "flags"."""

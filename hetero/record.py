@@ -44,6 +44,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 from hetero.errors import HeteroError
 from hetero.spec.cluster import Cluster, ClusterSpec
 from hetero.spec.model import ModelSpec
+from hetero.spec.recompute import check as check_recompute
 
 MAX_COUNT = 1 << 20
 """Bound on counts (ranks, parallel degrees, layers, micro-batches, devices): a million."""
@@ -70,6 +71,17 @@ def _amount(value: object) -> int | float:
 
 
 Amount = Annotated[int | float, PlainValidator(_amount)]
+
+
+def _recompute_name(value: str) -> str:
+    try:
+        return check_recompute(value)
+    except HeteroError as e:
+        raise ValueError(str(e)) from None
+
+
+RecomputeName = Annotated[str, AfterValidator(_recompute_name)]
+"""none, full, selective or selective:MODULE,... (hetero/spec/recompute.py)."""
 """A predicted time (s), rate, memory size (GiB) or ratio: non-negative, finite, < MAX_AMOUNT."""
 PerDevice = dict[str, Amount]
 """An amount per device type (catalog name)."""
@@ -159,8 +171,9 @@ class TrainingRecord(_Section):
     distributed_optimizer: bool = True
     fused_kernels: bool = True
     dropout: bool = True
-    recompute: Literal["none", "selective", "full"] = Field(
-        default="none", description="the job's recomputation (a stage's own setting overrides it)")
+    recompute: RecomputeName = Field(
+        default="none", description="the job's recomputation: none, full, selective (the attention core) or "
+        "selective:MODULE,... (--recompute-modules); a stage's own setting overrides it")
     sequence_parallel: bool = False
     virtual_stages: Count = Field(default=1, description="model chunks per pipeline stage")
     overlap_grad_reduce: bool = False
@@ -173,6 +186,9 @@ class TrainingRecord(_Section):
     moe_dispatcher: Literal["alltoall", "flex"] = Field(
         default="alltoall", description="the MoE token dispatcher priced (flex: DeepEP/HybridEP, a token "
         "sent once per node; the runtime runs alltoall)")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = Field(
+        default="delayed", description="--fp8-recipe priced for fp8 runs (tensorwise reads each GEMM input "
+        "once more for its maximum)")
     moe_a2a_overlap: bool = Field(default=False, description="expert all-to-alls priced as overlapped with "
                                   "another micro-batch's compute (--overlap-moe-expert-parallel-comm); the "
                                   "runtime does not switch it on")
@@ -204,7 +220,7 @@ class BaselineRecord(_Informational):
     pipeline_parallel: Count
     data_parallel: Count
     micro_batch_size: Count
-    recompute: Literal["none", "selective", "full"]
+    recompute: RecomputeName
     iteration_time_s: Amount
     tokens_per_s: Amount
     dollars_per_million_tokens: Amount | None = Field(default=None, description="null: a device has no price")

@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass, fields
 
 from hetero.spec.cluster import Cluster, Route
 from hetero.predict.efficiency import MEMORY_EFFICIENCY, curve_for
+from hetero.predict.moe_overlap import LayerPair, compute_share_beside_communication, overlapped_pair_s
 from hetero.predict.tensor_parallel_overlap import exposed_tp_comm_s
 from hetero.predict.fixed_costs import (end_kernel_gaps_s, iteration_fixed_s, layer_kernel_gaps_s,
-                                        moe_kernel_gaps_s, unfused_attention_bytes)
+                                        moe_expert_kernel_gaps_s, moe_kernel_gaps_s, unfused_attention_bytes)
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.spec.profiles import Profiles
+from hetero.spec.recompute import check as check_recompute, mode as recompute_mode, modules as recomputed_modules
 
 BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # fp8 training (transformer-engine's recipes, Megatron's --fp8-format): each linear layer casts
@@ -36,10 +38,26 @@ BYTES_PER_VALUE = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # fp8 transpose for the other pass's GEMM (1 + 1): transformer-engine's fused cast-transpose.
 FP8_PEAK_OVER_16BIT = 2.0
 FP8_CAST_BYTES_PER_VALUE = 4
+# Megatron's --fp8-recipe. Delayed scaling casts with the scale of earlier steps' maxima; the
+# block and MX recipes find each block's maximum inside the cast kernel; tensorwise (current)
+# scaling first reads the whole input for its maximum, then casts it: 2 more bytes a value.
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_AMAX_PASS_BYTES_PER_VALUE = {"tensorwise": 2}
+# Flash attention's backward recomputes the scores and runs four more matrix products (the
+# probabilities' gradient, dV, dQ, dK): five against the forward's two (Dao et al.,
+# FlashAttention, 2022, algorithm 4), so the fused attention core's backward is 2.5 forwards,
+# where every other GEMM's is two.
+FLASH_ATTENTION_BACKWARD_OVER_FORWARD = 2.5
 # Bytes an Adam step touches per parameter: fp32 grad (4), master weight read+write (8),
 # two moments read+write (16), model-dtype weight write (2-4).
 ADAM_BYTES_PER_PARAM = 32
-RECOMPUTE_MODES = ("none", "selective", "full")
+# What each of megatron-core's --recompute-modules runs again (CostModel._layer_forward_parts);
+# "moe" also exchanges its tokens again (expert_exchange_times).
+PARTS_OF_MODULE = {
+    "core_attn": ("core_attn",), "moe_act": ("moe_act",), "layernorm": ("layernorm",),
+    "mla_up_proj": ("mla_up_proj",), "mlp": ("mlp",), "shared_experts": ("shared_experts",),
+    "moe": ("router", "permutation", "routed_experts", "moe_act", "shared_experts"),
+}
 MOE_DISPATCHERS = ("alltoall", "flex")
 # Megatron's DDP bucket: max(40M parameters, 1M x data-parallel size) (megatron-core
 # distributed_data_parallel.py); the last bucket's reduction cannot overlap backward.
@@ -58,8 +76,9 @@ class TrainingSetup:
     dropout: bool = True
     """Hidden/attention dropout > 0 (Megatron's default 0.1): masks are kept for backward."""
     recompute: str = "none"
-    """Activation recomputation: none, selective (attention core) or full (--recompute-
-    granularity); full recomputes every layer's forward during backward."""
+    """Activation recomputation (--recompute-granularity, hetero/spec/recompute.py): none, full
+    (every layer's forward again during backward), selective (megatron-core's default module,
+    the attention core) or selective:MODULE,... (--recompute-modules)."""
     sequence_parallel: bool = False
     """--sequence-parallel: norms and dropouts split over the tensor-parallel ranks."""
     virtual_stages: int = 1
@@ -88,6 +107,8 @@ class TrainingSetup:
     """--moe-token-dispatcher-type: alltoall (megatron-core's all-to-all: each of a token's
     top-k copies travels to its expert's rank) or flex (DeepEP / HybridEP: a token crosses to
     each other node holding one of its experts once and is fanned out inside that node)."""
+    fp8_recipe: str = "delayed"
+    """--fp8-recipe (fp8 runs): how each cast finds its scale (FP8_RECIPES)."""
     moe_a2a_overlap: bool = False
     """--overlap-moe-expert-parallel-comm (megatron-core's combined 1F1B): a micro-batch's token
     all-to-alls run under another micro-batch's compute, so a layer's exchange costs only what
@@ -96,10 +117,11 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         if self.precision not in BYTES_PER_VALUE:
             raise HeteroError(f"precision {self.precision!r} is not one of {', '.join(BYTES_PER_VALUE)}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise HeteroError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        check_recompute(self.recompute)
         if self.virtual_stages < 1:
             raise HeteroError("virtual_stages must be at least 1")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise HeteroError(f"fp8_recipe {self.fp8_recipe!r} is not one of {', '.join(FP8_RECIPES)}")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise HeteroError(f"moe_dispatcher {self.moe_dispatcher!r} is not one of {', '.join(MOE_DISPATCHERS)}")
 
@@ -112,6 +134,12 @@ class TrainingSetup:
     def fp8_gemms(self) -> bool:
         """Linear layers' GEMMs run in fp8 (transformer-engine's recipes)."""
         return self.precision == "fp8"
+
+    @property
+    def fp8_cast_bytes(self) -> int:
+        """Bytes an fp8 linear layer's input cast moves per value (read, fp8 copy and its
+        transpose, and the maximum's pass where the recipe has one)."""
+        return FP8_CAST_BYTES_PER_VALUE + FP8_AMAX_PASS_BYTES_PER_VALUE.get(self.fp8_recipe, 0)
 
     @property
     def grad_bytes(self) -> int:
@@ -205,7 +233,7 @@ class CostModel:
             return self._gemm_s(device_name, m, n, k, count)
         efficiency = curve_for(device_name, device.vendor, "fp8").gemm(m, n, k)
         gemm = count * 2 * m * n * k / (FP8_PEAK_OVER_16BIT * device.peak_tflops * 1e12 * efficiency)
-        return gemm + self._memory_s(device_name, count * m * k * FP8_CAST_BYTES_PER_VALUE)
+        return gemm + self._memory_s(device_name, count * m * k * self.setup.fp8_cast_bytes)
 
     def _memory_s(self, device_name: str, num_bytes: float) -> float:
         device = self.cluster.devices[device_name]
@@ -228,48 +256,81 @@ class CostModel:
     def _layer_forward_compute_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
         """Analytical forward of one layer: GEMMs at their shape's efficiency, the
         attention core, and the memory-bound kernels around them."""
+        return sum(self._layer_forward_parts(device_name, tensor_parallel, micro_batch_size).values())
+
+    def _layer_forward_parts(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> dict[str, float]:
+        """The analytical forward of one layer by part, each averaged over the model's dense
+        and MoE layers (a MoE part weighs the MoE layers' share): what selective
+        recomputation of megatron-core's modules runs again."""
         m, t, v = self.model, tensor_parallel, self.setup.value_bytes
         tokens = m.seq_length * micro_batch_size
         h = m.hidden_size
         q = m.num_attention_heads * m.head_dim
         kv = m.query_groups * m.head_dim
+        parts: dict[str, float] = {}
         if m.multi_latent_attention:  # its projections as one GEMM of the same work
-            gemms = self._linear_s(device_name, tokens, m.attention_gemm_flops_per_token() / (2 * h) / t, h)
+            attention = self._linear_s(device_name, tokens, m.attention_gemm_flops_per_token() / (2 * h) / t, h)
+            parts["mla_up_proj"] = attention * m.mla_up_projection_flops_per_token() / m.attention_gemm_flops_per_token()
+            parts["attention_linear"] = attention - parts["mla_up_proj"]
         else:
-            gemms = self._linear_s(device_name, tokens, (q + 2 * kv) / t, h) + self._linear_s(device_name, tokens, h, q / t)
+            parts["attention_linear"] = (self._linear_s(device_name, tokens, (q + 2 * kv) / t, h)
+                                         + self._linear_s(device_name, tokens, h, q / t))
+        parts["core_attn"] = self._attention_core_s(device_name, t, micro_batch_size)
 
-        def dense_mlp(ffn: int) -> float:
+        def mlp(ffn: int, copies: float = 1) -> float:  # GEMMs, and the activation (read, write)
+            if not ffn:
+                return 0.0
             up = ffn * (2 if m.swiglu else 1) / t
-            return self._linear_s(device_name, tokens, up, h) + self._linear_s(device_name, tokens, h, ffn / t) if ffn else 0.0
+            return (self._linear_s(device_name, tokens, up, h) + self._linear_s(device_name, tokens, h, ffn / t)
+                    + self._memory_s(device_name, tokens * v * 2 * ffn * copies / t))
 
-        dense = dense_mlp(m.ffn)
-        mlp_width = m.ffn
-        if m.is_moe:
-            # The stage's TP x DP ranks share the routed work evenly: each rank holds E/EP
-            # experts split ETP ways and computes 1/t of its replica's token-expert pairs, so
-            # an expert's GEMMs have tokens * topk * EP * ETP / (E * t) rows.
-            ffn, experts = m.moe_ffn_hidden_size, m.num_experts
-            ep, etp = self.expert_parallel, self.expert_tensor_parallel_at(t)
-            routed = tokens * m.moe_router_topk * ep * etp / (experts * t)
-            up = ffn * (2 if m.swiglu else 1) / etp
-            moe = (self._linear_s(device_name, routed, up, h, experts / ep)
-                   + self._linear_s(device_name, routed, h, ffn / etp, experts / ep)
-                   + self._gemm_s(device_name, tokens, experts, h) + dense_mlp(m.shared_expert_ffn))
-            share = m.moe_layer_fraction
-            gemms += share * moe + (1 - share) * dense
-            mlp_width = share * (ffn * m.moe_router_topk + m.shared_expert_ffn) + (1 - share) * m.ffn
-        else:
-            gemms += dense
+        share = m.moe_layer_fraction if m.is_moe else 0.0
+        parts["mlp"] = (1 - share) * mlp(m.ffn)
         sequence_split = t if self.setup.sequence_parallel else 1
-        # Norms (read, write) x2, bias-dropout-add (read 2, write 1, mask) x2 over the
-        # hidden width; the MLP activation (read, write) over the FFN width.
-        elementwise = tokens * v * (10 * h / sequence_split + 2 * mlp_width / t)
-        if m.is_moe:
+        # Norms (read, write) x2, then bias-dropout-add (read 2, write 1, mask) x2 over the
+        # hidden width.
+        parts["layernorm"] = self._memory_s(device_name, tokens * v * 4 * h / sequence_split)
+        parts["residual"] = self._memory_s(device_name, tokens * v * 6 * h / sequence_split)
+        if share:
+            topk, ffn = m.moe_router_topk, m.moe_ffn_hidden_size
+            parts["routed_experts"] = share * self._routed_expert_gemms_s(device_name, t, micro_batch_size)
+            parts["moe_act"] = share * self._memory_s(device_name, tokens * v * 2 * ffn * topk / t)
+            parts["router"] = share * self._gemm_s(device_name, tokens, m.num_experts, h)
+            parts["shared_experts"] = share * mlp(m.shared_expert_ffn)
             # Token permutation on a rank's 1/t of the tokens: the top-k copies written and
             # read again for the all-to-all, sorted by local expert (read, write) on arrival,
             # and the way back (sort, unpermute with the probabilities into one token).
-            elementwise += m.moe_layer_fraction * tokens / t * v * h * (2 + 4 * m.moe_router_topk)
-        return gemms + self._attention_core_s(device_name, t, micro_batch_size) + self._memory_s(device_name, elementwise)
+            parts["permutation"] = share * self._memory_s(device_name, tokens / t * v * h * (2 + 4 * topk))
+        return parts
+
+    def _routed_expert_gemms_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
+        """Forward GEMMs of one MoE layer's routed experts on one rank. The stage's TP x DP
+        ranks share the routed work evenly: each rank holds E/EP experts split ETP ways and
+        computes 1/t of its replica's token-expert pairs, so an expert's GEMMs have
+        tokens * topk * EP * ETP / (E * t) rows."""
+        m, t = self.model, tensor_parallel
+        ffn, experts, h = m.moe_ffn_hidden_size, m.num_experts, m.hidden_size
+        ep, etp = self.expert_parallel, self.expert_tensor_parallel_at(t)
+        routed = m.seq_length * micro_batch_size * m.moe_router_topk * ep * etp / (experts * t)
+        up = ffn * (2 if m.swiglu else 1) / etp
+        return (self._linear_s(device_name, routed, up, h, experts / ep)
+                + self._linear_s(device_name, routed, h, ffn / etp, experts / ep))
+
+    def routed_experts_forward_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
+        """The routed experts' part of one MoE layer's forward on one rank (their GEMMs,
+        activation and kernel gaps): what megatron-core's overlapped schedule runs between
+        dispatch and combine. A measured layer is scaled by its measured over analytical time."""
+        m = self.model
+        if not m.is_moe:
+            return 0.0
+        parts = self._layer_forward_parts(device_name, tensor_parallel, micro_batch_size)
+        gaps = moe_expert_kernel_gaps_s(m.num_experts / self.expert_parallel)[0]
+        routed = (parts["routed_experts"] + parts["moe_act"]) / m.moe_layer_fraction + gaps
+        if self._compute_profile(device_name) is None:
+            return routed
+        analytical = (self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
+                      + self._layer_overheads_s(device_name, tensor_parallel, micro_batch_size)[0])
+        return routed * self.layer_compute(device_name, tensor_parallel, micro_batch_size)[0] / analytical
 
     def _layer_overheads_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
         """(forward, backward) of one layer beyond its arithmetic and bytes: kernel gaps and
@@ -306,6 +367,9 @@ class CostModel:
                 return entry.layer_forward_s * scale, entry.layer_backward_s * scale
             forward = self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
             extra_forward, extra_backward = self._layer_overheads_s(device_name, tensor_parallel, micro_batch_size)
+            if self.setup.fused_kernels:
+                extra_backward += (FLASH_ATTENTION_BACKWARD_OVER_FORWARD - 2) * self._attention_core_s(
+                    device_name, tensor_parallel, micro_batch_size)
             return forward + extra_forward, 2 * forward + extra_backward
         return self._memo(("compute", device_name, tensor_parallel, micro_batch_size), compute)
 
@@ -323,12 +387,13 @@ class CostModel:
         setup's, or the stage's own when given)."""
         recompute = recompute or self.setup.recompute
         forward, backward = self.layer_compute(device_name, tensor_parallel, micro_batch_size)
-        if recompute == "full":
+        if recompute_mode(recompute) == "full":
             backward += forward
-        elif recompute == "selective":
-            core = self._attention_core_s(device_name, tensor_parallel, micro_batch_size)
-            analytical = self._layer_forward_compute_s(device_name, tensor_parallel, micro_batch_size)
-            backward += forward * core / analytical  # the attention core's share, measured or not
+        elif recompute_mode(recompute) == "selective":
+            parts = self._layer_forward_parts(device_name, tensor_parallel, micro_batch_size)
+            again = {part for module in recomputed_modules(recompute) for part in PARTS_OF_MODULE[module]}
+            # The modules' share of the layer's forward, measured or not.
+            backward += forward * sum(parts.get(part, 0.0) for part in again) / sum(parts.values())
         return forward, backward
 
     def layer_cost(self, device_name: str, host: str, tensor_parallel: int, micro_batch_size: int,
@@ -351,7 +416,7 @@ class CostModel:
             allreduce = self.tp_allreduce(host, tensor_parallel, self.activation_bytes(micro_batch_size))
             if self._profiled_at(device_name, tensor_parallel):
                 allreduce = 0.0  # measured with its tensor-parallel group: the all-reduces are in it
-            recomputed = 2 if recompute == "full" else 0
+            recomputed = 2 if recompute_mode(recompute) == "full" else 0
             if self.setup.tp_comm_overlap:  # hidden under the GEMMs beside them
                 gemms = self.layer_compute(device_name, tensor_parallel, micro_batch_size)[0]
                 exposed = exposed_tp_comm_s(allreduce, gemms, tensor_parallel)
@@ -540,16 +605,27 @@ class CostModel:
         """(forward, backward) seconds one layer's token all-to-alls add to one micro-batch on
         an expert-parallel group on `hosts` (a recomputed forward exchanges again). With
         --overlap-moe-expert-parallel-comm the steady 1F1B pairs one micro-batch's forward with
-        another's backward and runs each one's all-to-alls under the other's compute: only the
-        exchange beyond the layer's forward and backward compute is exposed."""
+        another's backward and runs each one's all-to-alls beside the other's compute, as
+        megatron-core orders them (moe_overlap.py): what the pair takes beyond its compute is
+        exposed, the communication kernels' hold on the SMs included."""
         exchange = self.expert_exchange_s(hosts, tensor_parallel, micro_batch_size)
         recompute = recompute or self.setup.recompute
-        forward, backward = exchange, exchange * (2 if recompute == "full" else 1)
+        again = recompute_mode(recompute) == "full" or "moe" in recomputed_modules(recompute)
+        forward, backward = exchange, exchange * (2 if again else 1)
         if not self.setup.moe_a2a_overlap or exchange == 0:
             return forward, backward
-        compute = sum(self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute))
-        exposed = max(0.0, forward + backward - compute)
-        return exposed * forward / (forward + backward), exposed * backward / (forward + backward)
+        fraction = self.model.moe_layer_fraction  # exchange is averaged over the layers
+        compute_forward, compute_backward = self.layer_times(device_name, tensor_parallel, micro_batch_size, recompute)
+        mlp = self.routed_experts_forward_s(device_name, tensor_parallel, micro_batch_size)
+        one_way = exchange / fraction / 2  # a MoE layer's dispatch, or its combine, in one direction
+        pair = LayerPair(attn_forward=max(0.0, compute_forward - mlp), mlp_forward=mlp,
+                         attn_backward=max(0.0, compute_backward - 2 * mlp), mlp_backward=mlp,
+                         mlp_weight_gradient=mlp, dispatch_forward=one_way, combine_forward=one_way,
+                         dispatch_backward=one_way, combine_backward=one_way)
+        share = compute_share_beside_communication(device_name, self.setup.moe_dispatcher)
+        exposed = fraction * (overlapped_pair_s(pair, share) - pair.compute_s)
+        # A recomputed forward's exchange runs outside the pairing.
+        return exposed * 0.5, exposed * 0.5 + (backward - exchange)
 
     def tp_allreduce(self, host: str, tensor_parallel: int, num_bytes: float) -> float:
         """Ring all-reduce among the tensor-parallel ranks of one node."""

@@ -90,3 +90,8 @@ def moe_kernel_gaps_s(local_experts: float) -> tuple[float, float]:
     """(forward, backward) idle time a MoE layer adds for one micro-batch."""
     return tuple((fixed + per_expert * local_experts) * KERNEL_GAP_S
                  for fixed, per_expert in zip(MOE_LAYER_KERNELS, MOE_EXPERT_KERNELS))
+
+
+def moe_expert_kernel_gaps_s(local_experts: float) -> tuple[float, float]:
+    """(forward, backward) of moe_kernel_gaps_s that the experts' own GEMMs cause."""
+    return tuple(per_expert * local_experts * KERNEL_GAP_S for per_expert in MOE_EXPERT_KERNELS)

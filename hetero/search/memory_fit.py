@@ -22,8 +22,8 @@ class MemoryFit(Memoised):
         self.blocks = blocks
         self.global_batch_size = global_batch_size
         self.setup = blocks.options.setup
-        # With fused (flash) attention no score matrix is kept: selective recomputation
-        # saves no memory there, only costs time.
+        # With fused (flash) attention no score matrix is kept: recomputing the attention core
+        # alone saves no memory there, only costs time.
         self.recompute_modes = tuple(m for m in blocks.options.recompute_modes
                                      if not (m == "selective" and self.setup.fused_kernels)) or ("none",)
         """The recomputation modes a stage may take, cheapest first."""

@@ -10,14 +10,20 @@ from hetero.plan import Plan
 from hetero.predict.costs import TrainingSetup
 from hetero.predict.predictor import Prediction
 from hetero.spec.cluster import Cluster
+from hetero.spec.recompute import mode as recompute_mode, modules as recomputed_modules
 
 FAMILIES = ("cross-class", "class-pure", "launch-order")
 """The layout families the search enumerates (hetero/search/families.py)."""
 
-# The cost model's recompute modes as a plan's stage entry (megatron-core's settings): full
-# recomputation of every layer is Megatron's uniform method with groups of one layer.
-PLAN_RECOMPUTE = {"none": "none", "selective": "selective",
-                  "full": {"granularity": "full", "method": "uniform", "num_layers": 1}}
+def plan_recompute(recompute: str) -> str | dict:
+    """The cost model's recomputation (hetero/spec/recompute.py) as a plan's stage entry
+    (megatron-core's settings): full recomputation of every layer is Megatron's uniform
+    method with groups of one layer; selective names its modules unless they are the default."""
+    if recompute_mode(recompute) == "full":
+        return {"granularity": "full", "method": "uniform", "num_layers": 1}
+    if recompute in ("none", "selective"):
+        return recompute
+    return {"granularity": "selective", "modules": sorted(recomputed_modules(recompute))}
 # Relative slack taken off a lower bound before comparing it with estimates computed in
 # another order of floating-point operations.
 FLOOR_ROUNDING = 1e-9

@@ -27,7 +27,7 @@ from hetero.predict.predictor import Prediction, predict
 from hetero.search.estimate import FastEstimate
 from hetero.search.expert_parallel import expert_parallel_choices, with_expert_parallel
 from hetero.search.families import LayoutFamilies
-from hetero.search.options import PLAN_RECOMPUTE, Candidate, PlannerOptions, PlanResult
+from hetero.search.options import Candidate, PlannerOptions, PlanResult, plan_recompute
 from hetero.search.placement import ORDERS, place
 from hetero.search.shortlist import Leaderboard, shortlist
 from hetero.spec.cluster import Cluster
@@ -161,7 +161,7 @@ class Planner:
         and virtual_stages model chunks per stage."""
         recompute = None
         if candidate.recompute and any(mode != "none" for mode in candidate.recompute):
-            recompute = [PLAN_RECOMPUTE[mode] for mode in candidate.recompute]
+            recompute = [plan_recompute(mode) for mode in candidate.recompute]
         return place(self.cluster, self.classes, candidate.degrees, candidate.micro_batch_size,
                      candidate.layers, candidate.replica_classes, candidate.micro_batches, order,
                      recompute=recompute, virtual_stages=virtual_stages)

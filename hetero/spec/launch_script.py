@@ -385,21 +385,40 @@ def _split(text: str) -> list[str]:
     return [word.replace(_EMPTY, "") for word in words if word != _EMPTY]
 
 
-def _raw_words(text: str) -> list[str]:
-    """Shell words before expansion: split at unquoted white space, ${...}, $(...) and
-    (...) kept whole."""
-    words, current, quote, depth = [], [], None, 0
-    for i, char in enumerate(text):
-        if quote:
-            if char == quote and not (quote == '"' and i and text[i - 1] == "\\"):
-                quote = None
+def _top_level(text: str) -> list[bool]:
+    """For each character of shell text: whether it stands unescaped, outside quotes and
+    outside (...), ${...} and $(...), where white space splits words and ; | & end
+    statements (quote, bracket and escape characters themselves are not). A backslash escapes
+    the next character outside quotes and inside double quotes; single quotes escape nothing."""
+    top, quote, depth, escaped = [], None, 0, False
+    for char in text:
+        if escaped:
+            escaped = False
+            top.append(False)
+            continue
+        if char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
         elif char in "'\"":
             quote = char
         elif char in "({":
             depth += 1
         elif char in ")}":
             depth -= 1
-        elif char.isspace() and depth <= 0 and not (i and text[i - 1] == "\\"):
+        else:
+            top.append(depth <= 0)
+            continue
+        top.append(False)
+    return top
+
+
+def _raw_words(text: str) -> list[str]:
+    """Shell words before expansion: split at unquoted white space, ${...}, $(...) and
+    (...) kept whole."""
+    words, current = [], []
+    for char, top in zip(text, _top_level(text)):
+        if top and char.isspace():
             if current:
                 words.append("".join(current))
                 current = []
@@ -528,18 +547,11 @@ def _logical_lines(text: str) -> list[_Line]:
 def _statements(line: str) -> list[tuple[str, str]]:
     """A logical line split at unquoted ; && || | and & (``if``/``while`` conditions kept
     whole up to their ``then``/``do``): each statement with the joint before it."""
-    pieces, current, quote, depth, i = [], [], None, 0, 0
+    pieces, current, i = [], [], 0
+    top = _top_level(line)
     while i < len(line):
         char = line[i]
-        if quote:
-            quote = None if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "({":
-            depth += 1
-        elif char in ")}":
-            depth -= 1
-        elif depth <= 0 and char in ";|&" and not (char == "&" and i and line[i - 1] in "<>"):
+        if top[i] and char in ";|&" and not (char == "&" and i and line[i - 1] in "<>"):
             joint = line[i:i + 2] if line[i:i + 2] in ("&&", "||", ";;") else char
             if char == "&" and line[i + 1:i + 2] == ">":  # &> redirection
                 current.append(char)

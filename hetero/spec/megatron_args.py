@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 from hetero.errors import HeteroError
 from hetero.pipeline_layout import SplitFlags
 from hetero.spec.model import ModelSpec
+from hetero.spec.recompute import selective as selective_recompute
 
 FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.json")
 
@@ -343,6 +344,8 @@ def job_of_flags(argv: Sequence[str], tokenizer_vocab: int | None = None) -> Fla
     recompute = flags["recompute_granularity"]
     if flags["recompute_activations"]:  # Megatron-LM's alias of selective
         recompute = "selective"
+    if recompute == "selective":  # megatron-core's modules (default: the attention core)
+        recompute = selective_recompute(flags["recompute_modules"] or None)
     virtual = flags["num_virtual_stages_per_pipeline_rank"]
     if flags["num_layers_per_virtual_pipeline_stage"]:
         pipeline = flags.given_value("pipeline_model_parallel_size")

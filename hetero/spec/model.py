@@ -19,6 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from hetero.errors import HeteroError
 from hetero.io import describe_validation_error
+from hetero.spec.recompute import mode as recompute_mode, modules as recomputed_modules
 
 
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -230,6 +231,16 @@ class ModelSpec:
         q, kv, _ = self._attention_widths()
         return 2 * h * (q + 2 * kv) + 2 * q * h
 
+    def mla_up_projection_flops_per_token(self) -> float:
+        """MLA's up projections (forward, per token): the query's from its latent (with a
+        q_lora_rank) and the keys' and values' from theirs, what megatron-core's mla_up_proj
+        recomputation runs again. 0 without MLA."""
+        if not self.multi_latent_attention:
+            return 0.0
+        heads = self.num_attention_heads
+        query = 0 if self.q_lora_rank is None else self.q_lora_rank * heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
+        return 2 * (query + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim))
+
     def core_attention_flops_per_token(self) -> float:
         """Scores and their product with V; causal, so half of the s x s matrix, as fused
         kernels compute it."""
@@ -386,33 +397,43 @@ class ModelSpec:
         terms (as fused/flash attention does: no s x s matrix kept); full recomputation
         keeps only each layer's input, 2*s*b*h (/t with sequence parallelism). Without
         dropout no masks or dropout outputs are kept. A MoE layer keeps its MLP
-        activations for each of the top-k experts a token visits.
+        activations for each of the top-k experts a token visits. Selective recomputation of
+        other megatron-core modules (hetero/spec/recompute.py) drops what each rebuilds.
         """
         h, s, t, v = self.hidden_size, self.seq_length, tensor_parallel, bytes_per_value
         tokens = s * micro_batch_size
-        if recompute == "full":
+        if recompute_mode(recompute) == "full":
             return tokens * v * h / (t if sequence_parallel else 1)
+        again = recomputed_modules(recompute)  # selective: what is rebuilt, not kept
         q, k, value = self._attention_widths()
         masks = 2 * h if dropout else 0  # after attention and after the MLP, one byte each
-        # Split by TP only with sequence parallelism: two norm inputs, QKV and fc1 inputs,
-        # dropout masks.
-        sequence_part = 4 * v * h + masks
+        # Split by TP only with sequence parallelism: two norm inputs, QKV and fc1 inputs
+        # (the norms' outputs, which layernorm recomputation discards), dropout masks.
+        sequence_part = (2 if "layernorm" in again else 4) * v * h + masks
 
-        def mlp_bytes(ffn: int) -> float:  # MLP activation input(s) and fc2 input
+        def mlp_bytes(ffn: int, activation_recomputed: bool = False) -> float:
+            # MLP activation input(s) and fc2 input (the activation's output, which moe_act
+            # recomputation discards)
+            fc2_input = 0 if activation_recomputed else v * ffn
             if self.swiglu and not fused_kernels:
-                return v * 4 * ffn + v * ffn  # fc1 output (2F), SiLU output and up half (F each)
-            return v * (2 if self.swiglu else 1) * ffn + v * ffn
+                return v * 4 * ffn + fc2_input  # fc1 output (2F), SiLU output and up half (F each)
+            return v * (2 if self.swiglu else 1) * ffn + fc2_input
 
-        # Split by TP: Q, K, V, attention output, MLP activation input(s), fc2 input.
-        mlp = mlp_bytes(self.ffn)
+        # Split by TP: Q, K, V, attention output, MLP activation input(s), fc2 input. A
+        # recomputed (checkpointed) MLP, MoE layer or shared expert keeps only its input.
+        mlp = 0.0 if "mlp" in again else mlp_bytes(self.ffn)
         if self.is_moe:
             share = self.moe_layer_fraction
-            moe = self.moe_router_topk * mlp_bytes(self.moe_ffn_hidden_size) + mlp_bytes(self.shared_expert_ffn)
+            routed = self.moe_router_topk * mlp_bytes(self.moe_ffn_hidden_size, "moe_act" in again)
+            shared = 0.0 if again & {"shared_experts", "moe"} else mlp_bytes(self.shared_expert_ffn)
+            moe = 0.0 if "moe" in again else routed + shared
             mlp = share * moe + (1 - share) * mlp
         output = self.num_attention_heads * (self.v_head_dim if self.multi_latent_attention else self.head_dim)
-        split = v * (q + k) + v * value + v * output + mlp
+        # mla_up_proj recomputation rebuilds queries, keys and values from their latents.
+        attention_inputs = 0 if "mla_up_proj" in again and self.multi_latent_attention else v * (q + k) + v * value
+        split = attention_inputs + v * output + mlp
         scores = 0.0
-        if not fused_kernels and recompute != "selective":
+        if not fused_kernels and "core_attn" not in again:
             # softmax output, and with dropout its mask and output
             scores = (2 * v + 1 if dropout else v) * self.num_attention_heads * s
         per_token = sequence_part / (t if sequence_parallel else 1) + (split + scores) / t
