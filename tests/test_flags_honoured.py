@@ -49,17 +49,24 @@ def test_ddp_num_buckets_is_checked_as_megatron_lm_does():
 def test_nan_loss_stops_the_run_unless_the_check_is_off():
     from megatron.hetero.training import _finite_loss, checked_forward_step, forward_step, forward_step_for, loss_func
 
-    assert forward_step_for(_args()) is checked_forward_step
+    checked = forward_step_for(_args())
+    assert checked.func is checked_forward_step and checked.keywords == {"rerun_mode": "validate_results"}
+    assert forward_step_for(_args("--rerun-mode", "disabled")).keywords == {"rerun_mode": "disabled"}
     assert forward_step_for(_args("--no-check-for-nan-in-loss-and-grad")) is forward_step
 
     mask = torch.ones(4)
     finite = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert _finite_loss(lambda out: loss_func(mask, out), finite)[0].item() == 10.0
+    assert _finite_loss(lambda out: loss_func(mask, out), "disabled", finite)[0].item() == 10.0
     for bad, kind in ((float("nan"), "NaN"), (float("inf"), "Inf")):
         poisoned = finite.clone()
         poisoned[2] = bad
-        with pytest.raises(HeteroError, match=f"found {kind} in local forward loss"):
-            _finite_loss(lambda out: loss_func(mask, out), poisoned)
+        with pytest.raises(HeteroError, match=f"found {kind} in local forward loss") as stopped:
+            _finite_loss(lambda out: loss_func(mask, out), "disabled", poisoned)
+        assert "re-run" not in str(stopped.value)
+        # Megatron-LM's default, validate_results, would re-run the iteration first: the
+        # message says this run did not.
+        with pytest.raises(HeteroError, match="was not re-run to tell a transient fault"):
+            _finite_loss(lambda out: loss_func(mask, out), "validate_results", poisoned)
 
 
 def test_config_field_flags_reach_transformer_config():

@@ -38,3 +38,11 @@ def packed_expert_group(hosts: Sequence[str], devices_per_node: int, expert_para
     group fills its first hosts in order (reused cyclically where too few are given)."""
     per_node = max(1, min(expert_parallel, devices_per_node // expert_tensor_parallel))
     return tuple(hosts[(member // per_node) % len(hosts)] for member in range(expert_parallel))
+
+
+def expert_data_group_hosts(data_group_hosts: Sequence[str], expert_data_parallel: int) -> tuple[str, ...]:
+    """The hosts of an expert data-parallel group (the ranks holding one expert shard), from
+    those of its stage's data-parallel group: one member in each expert-parallel group, and
+    those take the stage's ranks in turn, so every (DP / EDP)-th member."""
+    stride = max(1, len(data_group_hosts) // max(1, expert_data_parallel))
+    return tuple(data_group_hosts[::stride][:expert_data_parallel])

@@ -200,11 +200,17 @@ def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: lis
     hosts = [[[grid[d][s].hosts[t] for d in range(dp)] for t in range(tps[s])] for s in range(pp)]
     crossing_groups = sum(1 for s in range(pp) for t in range(tps[s])
                           if len({cluster.node(h).group for h in hosts[s][t]}) > 1)
+    # The experts' gradients reduce over their own groups, all stages' at once: those that span
+    # cluster groups share the links between them as the dense groups do.
+    expert_crossings = sum(
+        1 for s in range(pp) for group in (plan.expert_data_groups(s) if plan.expert_parallel > 1 else ())
+        if len({cluster.node(plan.device_of_logical(r).host).group for r in group}) > 1)
     reduce_s = []
     for s in range(pp):
         last_backward = min(timings[d][s].backward_s for d in range(dp))
         if plan.expert_parallel > 1:
-            reduce_s.append(_expert_plan_reduction(plan, cluster, costs, s, hosts[s], crossing_groups, last_backward))
+            reduce_s.append(_expert_plan_reduction(plan, costs, s, hosts[s], crossing_groups, max(1, expert_crossings),
+                                                   last_backward))
             continue
         params = stage_params(costs, plan.stages[s].num_layers, s == 0, s == pp - 1, pp) / tps[s]
         reduce_s.append(max(
@@ -218,8 +224,8 @@ def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: lis
     return reduce_s
 
 
-def _expert_plan_reduction(plan: Plan, cluster: Cluster, costs: CostModel, s: int, hosts: list[list[str]],
-                           crossing_groups: int, last_backward: float) -> float:
+def _expert_plan_reduction(plan: Plan, costs: CostModel, s: int, hosts: list[list[str]], crossing_groups: int,
+                           expert_crossings: int, last_backward: float) -> float:
     """A stage's gradient reduction with expert parallelism: the dense parameters over the
     data-parallel group, then the expert parameters over the expert data-parallel group
     (the ranks holding the same expert shard), as megatron-core's DDP does (two buffers)."""
@@ -230,7 +236,8 @@ def _expert_plan_reduction(plan: Plan, cluster: Cluster, costs: CostModel, s: in
     expert_s = 0.0
     for group in plan.expert_data_groups(s):
         group_hosts = tuple(plan.device_of_logical(r).host for r in group)
-        expert_s = max(expert_s, costs.gradient_sync(costs.allreduce_terms(group_hosts), experts, len(group)))
+        expert_s = max(expert_s, costs.gradient_sync(costs.allreduce_terms(group_hosts, expert_crossings), experts,
+                                                     len(group)))
     return dense_s + expert_s
 
 

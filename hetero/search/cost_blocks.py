@@ -12,7 +12,7 @@ from typing import Callable, Iterable, TypeVar
 
 from hetero.predict.costs import CostModel, LayerCost
 from hetero.predict.memory import stage_params
-from hetero.predict.expert_exchange import expert_exchange_beyond_node_s, packed_expert_group
+from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s, packed_expert_group
 from hetero.predict.tied_embedding import tied_embedding_sync_s
 from hetero.search.expert_parallel import expert_tensor_parallel_for
 from hetero.search.options import Degrees, PlannerOptions, device_classes, setup_for
@@ -221,3 +221,20 @@ class CostBlocks(Memoised):
         crossings = max(1, spanning)
         terms_of = {parts: self.group_terms(parts, crossings) for parts in alike}
         return [terms_of[parts] for parts in dp_parts]
+
+    def stage_expert_group_terms(self, tp: Degrees, dp_parts: list[tuple[GroupPart, ...]]) -> list[tuple[float, float]]:
+        """Each stage's all-reduce terms for its experts' gradients, over its data-parallel
+        group's hosts: a stage has EP x ETP expert data-parallel groups, each with a member in
+        every expert-parallel group, so all of them cross fabrics where the stage's data-
+        parallel group does (predict() counts them group by group)."""
+        alike = collections.Counter(dp_parts)
+        costs = self.costs_for(1)
+        spanning = sum(n * costs.expert_parallel * costs.expert_tensor_parallel_at(tp[parts[0][0]])
+                       for parts, n in alike.items() if self.spans_groups(parts))
+
+        def terms(parts: tuple[GroupPart, ...]) -> tuple[float, float]:
+            hosts = representative_hosts(parts, self.classes)
+            group = expert_data_group_hosts(hosts, costs.expert_data_parallel_at(tp[parts[0][0]], len(hosts)))
+            return self.costs.allreduce_terms(group, max(1, spanning) if self.spans_groups(parts) else 1)
+        return [self._memo(("expert terms", parts, tp[parts[0][0]], spanning), lambda: terms(parts))
+                for parts in dp_parts]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence, TypeVar
 
 from hetero.plan import Plan
-from hetero.predict.expert_exchange import expert_exchange_beyond_node_s
+from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s
 from hetero.predict.predictor import expert_group_hosts, stage_recompute
 from hetero.predict.schedule import PipelineShape, pipeline_shape
 from hetero.predict.stragglers import replica_spread, slowest_of
@@ -238,11 +238,13 @@ class FastEstimate(Memoised):
 
     def reduce_and_step(self, tp: Degrees, mbs: int, d: int, layers: list[int], modes: Sequence[str],
                         at_stage: Sequence[Sequence[int]], terms: list[tuple[float, float]],
-                        tie_s: float | None = None) -> float:
+                        tie_s: float | None = None,
+                        expert_terms: list[tuple[float, float]] | None = None) -> float:
         """The slowest stage's exposed gradient synchronisation plus the slowest optimizer
         step: the same CostModel functions the predictor calls. A stage's classes share
         its degree. tie_s: the tied embedding's gradient sum on the end stages, when known
-        from concrete hosts (else CostBlocks.tied_embedding_sync's)."""
+        from concrete hosts (else CostBlocks.tied_embedding_sync's). expert_terms: the terms
+        of the experts' gradient reduction (default: terms)."""
         blocks, last = self.blocks, len(layers) - 1
         if tie_s is None:
             tie_s = blocks.tied_embedding_sync(at_stage[0], at_stage[-1], tp, d) if last else 0.0
@@ -270,7 +272,8 @@ class FastEstimate(Memoised):
             if kind not in syncs and ep > 1:  # the predictor's two buffers, the experts' over the same hosts
                 dense, experts = self._rank_params(layers, s, tp[at_stage[s][0]], costs)
                 syncs[kind] = (costs.gradient_sync(terms[s], dense, d, backward[s])
-                               + costs.gradient_sync(terms[s], experts, costs.expert_data_parallel_at(tp[at_stage[s][0]], d))
+                               + costs.gradient_sync((expert_terms or terms)[s], experts,
+                                                     costs.expert_data_parallel_at(tp[at_stage[s][0]], d))
                                + (tie_s if s in (0, last) else 0.0))
             if kind not in syncs:
                 syncs[kind] = costs.gradient_sync(terms[s], blocks.stage_params(layers, s) / tp[at_stage[s][0]], d,
@@ -348,9 +351,14 @@ class FastEstimate(Memoised):
         spanning = sum(plan.stage_tensor_parallel[s] for s, g in enumerate(groups)
                        if len({cluster.node(h).group for h in g}) > 1)
         terms = [costs.allreduce_terms(tuple(g), max(1, spanning)) for g in groups]
+        expert_spanning = sum(costs.expert_parallel * costs.expert_tensor_parallel_at(plan.stage_tensor_parallel[s])
+                              for s, g in enumerate(groups) if len({cluster.node(h).group for h in g}) > 1)
+        expert_terms = [costs.allreduce_terms(
+            expert_data_group_hosts(g, costs.expert_data_parallel_at(plan.stage_tensor_parallel[s], dp)),
+            max(1, expert_spanning)) for s, g in enumerate(groups)]
         tie_s = tied_embedding_sync_s(costs, [hosts_of_stage(plan, d, 0) for d in range(dp)],
                                       [hosts_of_stage(plan, d, pp - 1) for d in range(dp)]) if pp > 1 else 0.0
-        return fits, pipeline + self.reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms, tie_s)
+        return fits, pipeline + self.reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms, tie_s, expert_terms)
 
 
 def hosts_of_stage(plan: Plan, replica: int, stage: int) -> list[str]:

@@ -232,7 +232,9 @@ class LayoutFamilies(Memoised):
             return None
         layers, micro, pipeline = split
         terms = self.blocks.stage_group_terms(tp, dp_parts)
-        after = self.estimate.reduce_and_step(tp, mbs, d, layers, pipe.modes, pipe.at_stage, terms)
+        expert_terms = self.blocks.stage_expert_group_terms(tp, dp_parts) if self.blocks.expert_parallel > 1 else None
+        after = self.estimate.reduce_and_step(tp, mbs, d, layers, pipe.modes, pipe.at_stage, terms,
+                                              expert_terms=expert_terms)
         given = {p: iter(micro[p]) for p in micro}
         replica_classes = list(itertools.chain.from_iterable([p] * n for p, n in patterns))
         micro_batches = list(itertools.chain.from_iterable(itertools.islice(given[p], n) for p, n in patterns))

@@ -173,6 +173,10 @@ def _add_run_control_args(parser: argparse.ArgumentParser) -> None:
                         "forward/backward, 2 also after the optimizer step")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate on the validation and test sets and exit")
+    g.add_argument("--rerun-mode", default="validate_results", choices=["validate_results", "disabled"],
+                   help="what a NaN or Inf loss does: stop the run, naming the rank that found it. "
+                        "validate_results (the default) says so without re-running the iteration to "
+                        "tell a transient fault from a reproducible one, as Megatron-LM would first")
     # Megatron-LM's training-loop switches, declared from its facts (training.Trainer.train).
     flags.declare(g, RUN_CONTROL_FLAGS)
 

@@ -136,26 +136,30 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def checked_forward_step(data_iterator, model):
+def checked_forward_step(data_iterator, model, rerun_mode: str = "disabled"):
     """forward_step whose loss function stops the run on a NaN or Inf loss before the data-
     parallel reduction, as Megatron-LM's loss_func does unless --no-check-for-nan-in-loss-and-grad."""
     output, loss_of = forward_step(data_iterator, model)
-    return output, partial(_finite_loss, loss_of)
+    return output, partial(_finite_loss, loss_of, rerun_mode)
 
 
 def forward_step_for(args: argparse.Namespace) -> Callable:
     """The forward step the schedule runs: loss-checked unless --no-check-for-nan-in-loss-and-grad."""
-    return checked_forward_step if args.check_for_nan_in_loss_and_grad else forward_step
+    if not args.check_for_nan_in_loss_and_grad:
+        return forward_step
+    return partial(checked_forward_step, rerun_mode=args.rerun_mode)
 
 
-def _finite_loss(loss_of: Callable, output_tensor: torch.Tensor):
+def _finite_loss(loss_of: Callable, rerun_mode: str, output_tensor: torch.Tensor):
     loss, num_tokens, report = loss_of(output_tensor)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for kind, bad in (("NaN", torch.isnan), ("Inf", torch.isinf)):
         if bad(loss).any():
+            unchecked = (" The iteration was not re-run to tell a transient fault from a reproducible one "
+                         "(Megatron-LM's --rerun-mode validate_results would)." if rerun_mode == "validate_results" else "")
             raise HeteroError(
                 f"found {kind} in local forward loss calculation on rank {rank}; "
-                "lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)")
+                f"lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on).{unchecked}")
     return loss, num_tokens, report
 
 

@@ -210,6 +210,9 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
         value: "local non-persistent checkpoints are kept per node by NVIDIA's resiliency package "
                "(nvidia-resiliency-ext), which Megatron-Hetero does not drive; use global"
         for value in ("local", "in_memory")},
+    "--rerun-mode": {
+        "report_stats": "re-running iterations to report their determinism is not implemented; use "
+                        "validate_results or disabled"},
     "--ckpt-convert-format": {
         "torch": "Megatron-Hetero writes torch_dist checkpoints only (they load under any plan); use "
                  "--ckpt-convert-format torch_dist"},
@@ -360,7 +363,7 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--inprocess-restart",
         "--enable-ft-package",
         "--error-injection-rate",
-        "--error-injection-type", "--rerun-mode", "--check-for-spiky-loss",
+        "--error-injection-type", "--check-for-spiky-loss",
         "--result-rejected-tracker-filename", "--adlr-autoresume",
     ),
     "kitchen": ("--use-kitchen-attention", "--kitchen-attention-backend"),
