@@ -173,8 +173,7 @@ def predict_gpu_row(row: GpuRow) -> Prediction:
 # recipes behind each row: scripts/performance/configs (v0.2.1, v0.3.x) and
 # src/megatron/bridge/perf_recipes (later) of the same repository. Tokens/s/GPU is the
 # published figure; the iteration time is global batch x sequence / (tokens/s/GPU x GPUs).
-# Every published row is FP8 except gpt-oss's (no preset: sliding-window attention and
-# attention sinks). FP8 is priced as transformer-engine runs it (hetero/predict/costs.py:
+# Every published row but gpt-oss's (BF16) is FP8. FP8 is priced as transformer-engine runs it (hetero/predict/costs.py:
 # linear layers' GEMMs at the fp8 rate measured on an H200, their inputs' casts; bf16
 # activations, attention and communication), with the recipes' current (tensorwise) scaling:
 # every H100 recipe is "FP8_CS".
@@ -251,6 +250,12 @@ MOE_TABLE = [
     # 26.02, Qwen3_235B_a22B: 242 TFLOP/s/GPU.
     MoeRow("Qwen3-235B-A22B", "qwen3-235b-a22b", "Megatron-Bridge archive, 26.02, DGX-H100", "fp8",
            256, 8192, 1, 2, 8, 4, 32, 1633, layout=_QWEN3_235B_LAYOUT, a2a_overlap=True),
+    # 26.02, GPT OSS 120B: BF16, 163 TFLOP/s/GPU (the same layout: 26.02.01 5,984, 26.04 5,810,
+    # 26.04.01 5,824 tokens/s/GPU). Recipe (v0.3.0 configs): the all-to-all dispatcher without
+    # overlap, recomputation of the norms and the experts' activation (recompute_modules
+    # layernorm, moe_act); 36 layers over 4 stages.
+    MoeRow("gpt-oss-120b", "gpt-oss-120b", "Megatron-Bridge archive, 26.02, DGX-H100", "bf16",
+           64, 1280, 1, 1, 4, 1, 8, 5993, recompute="selective:layernorm,moe_act"),
     # 25.11, Qwen3_30B_a3B (dropless): FP8-CS, 121 TFLOP/s/GPU; 26.02: 118.
     MoeRow("Qwen3-30B-A3B (dropless, all-to-all)", "qwen3-30b-a3b", "Megatron-Bridge archive, 25.11, DGX-H100",
            "fp8", 16, 512, 2, 1, 2, 24, 8, 5275, a2a_overlap=True, not_compared=_SLOW_DISPATCHER),
@@ -282,7 +287,7 @@ def predict_moe_row(row: MoeRow, a2a_overlap: bool | None = None) -> Prediction:
                         expert_tensor_parallel=1 if row.expert_parallel > 1 else None)
     plan = Plan.from_dict({**plan.to_dict(), "devices": devices})
     setup = TrainingSetup(row.precision, distributed_optimizer=True, fused_kernels=True, dropout=False,
-                          recompute=row.recompute,
+                          recompute=row.recompute, grad_reduce_dtype="bf16",  # every recipe: grad_reduce_in_fp32 off
                           sequence_parallel=row.tensor_parallel > 1, virtual_stages=row.virtual_stages,
                           overlap_grad_reduce=True, overlap_param_gather=True, moe_a2a_overlap=row.a2a_overlap if a2a_overlap is None else a2a_overlap,
                           moe_dispatcher=row.dispatcher, fp8_recipe="tensorwise")

@@ -134,6 +134,12 @@ class ModelRecord(_Section):
     qk_head_dim: Dimension = 128
     qk_pos_emb_head_dim: Dimension = 64
     v_head_dim: Dimension = 128
+    window_size: tuple[Annotated[int, Field(strict=True, ge=-1)], Annotated[int, Field(strict=True, ge=-1)]] | None = Field(
+        default=None, description="sliding-window attention: keys before and after a query (--window-size); "
+        "null: full attention")
+    window_attn_skip_freq: Dimension | list[Literal[0, 1]] | None = Field(
+        default=None, description="with a window: every N-th layer attends fully, or one 1 (window) / 0 (full) "
+        "per layer (--window-attn-skip-freq)")
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelRecord":

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from hetero.cli import main
+from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
+from hetero.predict.costs import CostModel, TrainingSetup
 from hetero.predict.predictor import predict
 from hetero.search.expert_parallel import with_expert_parallel
 from hetero.search.options import PlannerOptions
@@ -217,3 +219,48 @@ def test_hetero_plans_expert_parallel_option_limits_the_degrees(tmp_path, capsys
                  "--expert-parallel", "2"]) == 0
     assert Plan.load(out).expert_parallel == 2
     capsys.readouterr()
+
+
+def test_gpt_oss_preset_has_its_published_size_and_alternating_windows():
+    model = PRESETS["gpt-oss-120b"]
+    # the model card: 116.8B parameters, 5.1B active per token (the input embedding not counted)
+    assert model.total_params() == pytest.approx(116.8e9, rel=0.002)
+    routed_unused = model.num_layers * (model.num_experts - model.moe_router_topk) * model.expert_params() / model.num_experts
+    assert model.total_params() - routed_unused - model.embedding_params() == pytest.approx(5.13e9, rel=0.01)
+    assert model.window_layer_pattern() == (1, 0) * 18  # --window-attn-skip-freq 2: every second layer full
+    assert ModelSpec(**model.to_dict()) == model
+
+
+def test_sliding_window_attention_prices_the_keys_each_query_attends():
+    base = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=1024, vocab_size=1024)
+    full = ModelSpec(**base)
+    windowed = ModelSpec(**base, window_size="(128,0)", window_attn_skip_freq="([1]*3+[0])")
+    assert windowed.window_size == (128, 0) and windowed.window_layer_pattern() == (1, 1, 1, 0)
+    # counted key by key: query i attends keys max(0, i - 128) .. i
+    s = base["seq_length"]
+    exact = sum(min(i, 128) + 1 for i in range(s)) / s
+    assert windowed.attended_keys_per_query() == pytest.approx(0.75 * exact + 0.25 * s / 2)
+    assert full.attended_keys_per_query() == s / 2
+    # Megatron-LM's model FLOPs (the logged TFLOP/s) ignore the window; the cost does not.
+    assert windowed.training_flops(1) == full.training_flops(1)
+    cluster = Cluster.from_dict({"name": "h", "groups": [{"name": "g", "nodes": [
+        {"host": "h0", "device": "H100-80GB", "count": 8, "intra_link": "nvlink4", "nic": {"kind": "ib", "gbps": 400}}]}]})
+    core = {name: CostModel(cluster, m, TrainingSetup(fused_kernels=fused))._attention_core_s("H100-80GB", 1, 1)
+            for name, m in (("full", full), ("windowed", windowed)) for fused in (True,)}
+    assert core["windowed"] / core["full"] == pytest.approx(windowed.attended_keys_per_query() / (s / 2))
+    # megatron-core's local attention masks a whole score matrix: no saving there.
+    local = [CostModel(cluster, m, TrainingSetup(fused_kernels=False))._attention_core_s("H100-80GB", 1, 1)
+             for m in (full, windowed)]
+    assert local[0] == local[1]
+    with pytest.raises(HeteroError, match="--window-size"):
+        ModelSpec(**base, window_size="128")
+    with pytest.raises(HeteroError, match="window_attn_skip_freq gives 3 layers"):
+        ModelSpec(**base, window_size=(128, 0), window_attn_skip_freq=(1, 1, 0))
+
+
+def test_window_flags_reach_the_planned_model():
+    from hetero.spec.megatron_args import job_of_flags
+    job = job_of_flags(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+                        "--max-position-embeddings", "128", "--vocab-size", "1000", "--tokenizer-type", "NullTokenizer",
+                        "--window-size", "(64,0)", "--window-attn-skip-freq", "2"])
+    assert job.model.window_size == (64, 0) and job.model.window_layer_pattern() == (1, 0, 1, 0)

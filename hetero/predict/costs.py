@@ -247,7 +247,10 @@ class CostModel:
         # Two batched GEMMs (s x d by d x s, s x s by s x d) per head.
         gemms = self._gemm_s(device_name, s, s, d, count=2 * micro_batch_size * heads)
         if self.setup.fused_kernels:
-            return gemms / 2  # flash attention: skips the masked half, no s x s traffic
+            # Flash attention computes only the keys each query attends (the causal half, or
+            # its sliding window; whole tiles, so a narrow window costs somewhat more), and
+            # keeps no s x s matrix. megatron-core's local attention masks a full matrix.
+            return gemms * m.attended_keys_per_query() / s
         scores = micro_batch_size * heads * s * s * v  # one score matrix
         # masked softmax (read, write), and with dropout its mask and output (read, write x2)
         traffic = scores * (2 + (3 if self.setup.dropout else 0))

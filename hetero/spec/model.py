@@ -65,6 +65,28 @@ def moe_layer_freq_of(value: int | str | list[int] | tuple[int, ...]) -> int | t
     return tuple(pattern)
 
 
+def window_size_of(value: str | list[int] | tuple[int, int]) -> tuple[int, int]:
+    """--window-size as Megatron-LM reads it ("(128,0)": keys before, keys after)."""
+    try:
+        pair = tuple(value) if isinstance(value, (list, tuple)) else layer_list_value(
+            str(value).replace("(", "[").replace(")", "]"))
+        if len(pair) == 2 and all(isinstance(v, int) and v >= -1 for v in pair):
+            return (int(pair[0]), int(pair[1]))
+    except (SyntaxError, ValueError, TypeError):
+        pass
+    raise HeteroError(f"--window-size {value!r} is not a pair of key counts such as \"(128,0)\"")
+
+
+def window_skip_freq_of(value: int | str | list[int] | tuple[int, ...]) -> int | tuple[int, ...]:
+    """--window-attn-skip-freq as Megatron-LM reads it: every N-th layer attends fully, or one
+    1 (window) / 0 (full) per layer such as "([1]*3+[0])*9"."""
+    try:
+        return moe_layer_freq_of(value)
+    except HeteroError:
+        raise HeteroError(f"--window-attn-skip-freq {value!r} is neither an integer nor a list of 0/1 per "
+                          "layer such as \"([1]*3+[0])*9\"") from None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model's shape with Megatron's field names. Fields left out take Megatron-LM's
@@ -116,6 +138,12 @@ class ModelSpec:
     """MLA: per-head rotary query/key width."""
     v_head_dim: int = 128
     """MLA: per-head value width."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention (--window-size "(128,0)"): the keys before and after its own
+    each query attends (None: every earlier key)."""
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    """With a window, which layers attend fully (--window-attn-skip-freq): every N-th layer,
+    or one 1 (window) / 0 (full) per layer; None: every layer has the window."""
 
     def __post_init__(self) -> None:
         defaults = {
@@ -131,6 +159,15 @@ class ModelSpec:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         if isinstance(self.moe_layer_freq, list):  # a hashable spec: patterns are tuples
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if isinstance(self.window_size, (list, str)):
+            object.__setattr__(self, "window_size", window_size_of(self.window_size))
+        if isinstance(self.window_attn_skip_freq, (list, str)):
+            object.__setattr__(self, "window_attn_skip_freq", window_skip_freq_of(self.window_attn_skip_freq))
+        skip = self.window_attn_skip_freq
+        if isinstance(skip, tuple) and len(skip) != self.num_layers:
+            raise HeteroError(
+                f"window_attn_skip_freq gives {len(skip)} layers but the model has {self.num_layers}: "
+                "give one 1 (window) / 0 (full attention) per layer, or an integer N")
         if isinstance(self.moe_layer_freq, tuple) and len(self.moe_layer_freq) != self.num_layers:
             raise HeteroError(
                 f"moe_layer_freq gives {len(self.moe_layer_freq)} layers but the model has "
@@ -163,6 +200,7 @@ class ModelSpec:
             q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank") or 32,
             qk_head_dim=get("qk_head_dim") or 128, qk_pos_emb_head_dim=get("qk_pos_emb_head_dim") or 64,
             v_head_dim=get("v_head_dim") or 128,
+            window_size=get("window_size"), window_attn_skip_freq=get("window_attn_skip_freq"),
         )
 
     def differences(self, other: "ModelSpec", skip: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
@@ -241,9 +279,36 @@ class ModelSpec:
         query = 0 if self.q_lora_rank is None else self.q_lora_rank * heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
         return 2 * (query + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim))
 
+    def window_layer_pattern(self) -> tuple[int, ...]:
+        """1 for each layer with the sliding window, 0 for each attending fully (Megatron-LM's
+        reading of --window-attn-skip-freq: an integer N makes every N-th layer full)."""
+        if self.window_size is None:
+            return (0,) * self.num_layers
+        skip = self.window_attn_skip_freq
+        if skip is None:
+            return (1,) * self.num_layers
+        if isinstance(skip, tuple):
+            return skip
+        return tuple(int((i + 1) % skip != 0) for i in range(self.num_layers))
+
+    def attended_keys_per_query(self) -> float:
+        """Keys a query attends, averaged over the queries and the layers: causal, so s / 2
+        with full attention (as Megatron-LM counts it); a window of w earlier keys caps it at
+        w + 1 (the keys after a query are masked by causality either way)."""
+        s = self.seq_length
+        full = s / 2
+        pattern = self.window_layer_pattern()
+        if not any(pattern):
+            return full
+        w = min(self.window_size[0], s - 1) if self.window_size[0] >= 0 else s - 1
+        windowed = min(full, (w * (w + 1) / 2 + (s - w) * (w + 1)) / s)  # queries 0..w-1 see fewer
+        share = sum(pattern) / len(pattern)
+        return share * windowed + (1 - share) * full
+
     def core_attention_flops_per_token(self) -> float:
         """Scores and their product with V; causal, so half of the s x s matrix, as fused
-        kernels compute it."""
+        kernels compute it. Model FLOPs as Megatron-LM counts them, which ignores a sliding
+        window (the cost model prices the attended keys: attended_keys_per_query)."""
         heads = self.num_attention_heads
         if self.multi_latent_attention:  # QK^T over the q/k width, the product with V over v's
             return 2 * self.seq_length * heads * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim) / 2
@@ -459,8 +524,9 @@ class ModelSpec:
             data.pop(name, None)
         if data.get("moe_layer_freq") == 1:
             data.pop("moe_layer_freq")
-        if isinstance(data.get("moe_layer_freq"), tuple):
-            data["moe_layer_freq"] = list(data["moe_layer_freq"])
+        for name in ("moe_layer_freq", "window_size", "window_attn_skip_freq"):
+            if isinstance(data.get(name), tuple):
+                data[name] = list(data[name])
         return data
 
 
@@ -540,6 +606,17 @@ PRESETS: dict[str, ModelSpec] = {
         moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
         moe_layer_freq=(0,) * 3 + (1,) * 58, mtp_num_layers=1, multi_latent_attention=True,
         q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128),
+    # gpt-oss-120b (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", table 1; the card's
+    # config.json): 36 layers of width 2880, 64 query / 8 key-value heads of 64, a 128-token
+    # sliding window on every other layer, 128 experts of width 2880, top-4, biases, untied,
+    # 201,088-token vocabulary; 117B parameters, 5.1B active. Its attention sinks (one logit
+    # per head) and the clamped SwiGLU change no shapes or costs; YaRN is RoPE to the cost model.
+    "gpt-oss-120b": ModelSpec(
+        num_layers=36, hidden_size=2880, num_attention_heads=64, num_query_groups=8, kv_channels=64,
+        seq_length=4096, vocab_size=201088, ffn_hidden_size=2880, swiglu=True,
+        untie_embeddings_and_output_weights=True, add_bias_linear=True, normalization="RMSNorm",
+        position_embedding_type="rope", num_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
+        window_size=(128, 0), window_attn_skip_freq=2),
     # A DeepSeek-V3-shaped model small enough for a few GPUs or a CPU test: the same features
     # (MLA, first layer dense, routed + shared experts, MTP) at 1/7 of the width.
     "deepseek-v3-proxy": ModelSpec(
