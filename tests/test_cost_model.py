@@ -2,6 +2,7 @@
 plans, Megatron's activation-memory formulas, the interleaved bubble, the SwiGLU default
 shared by planner and runtime, device precisions, and Megatron's published table."""
 
+import dataclasses
 import importlib.util
 import itertools
 import random
@@ -19,6 +20,7 @@ from hetero.predict.efficiency import curve_for
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec, load_model
 from hetero.search.placement import place
+from hetero.pipeline_layout import SplitFlags
 from hetero.plan import Plan
 from hetero.spec.profiles import ComputeProfile, Profiles, model_shape
 from hetero.search.options import PlannerOptions, plan_recompute
@@ -446,3 +448,45 @@ def test_flash_attention_backward_is_two_and_a_half_forwards_of_the_core():
         gaps = costs._layer_overheads_s("H100-80GB", 1, 1)
         beyond_twice = backward - gaps[1] - 2 * (forward - gaps[0])
         assert beyond_twice == pytest.approx(0.5 * core if costs is fused else 0.0, abs=1e-12)
+
+
+def test_unpaired_chunks_follow_megatron_cores_warm_up():
+    from hetero.predict.moe_overlap import unpaired_share
+    # interleaved, p 8, v 4, 128 micro-batches: (p - rank - 1) * 2 + (v - 1) * p + 1 of 512 chunks
+    assert unpaired_share(128, 8, 0, 4) == pytest.approx((14 + 24 + 1) / 512)
+    assert unpaired_share(128, 8, 7, 4) == pytest.approx((0 + 24 + 1) / 512)
+    assert unpaired_share(64, 1, 0, 1) == pytest.approx(1 / 64)  # no pipeline: the first forward alone
+    assert unpaired_share(2, 8, 0, 4) == 1.0  # every chunk in the warm-up
+
+
+def test_overlapped_exchange_of_unpaired_chunks_is_priced_alike_by_estimate_and_predictor():
+    from hetero.predict.expert_exchange import unpaired_exchange_s
+    cluster = _dgx_h100(2)
+    model = load_model("qwen3-30b-a3b")
+    overlapped = CostModel(cluster, model, TrainingSetup(moe_a2a_overlap=True), expert_parallel=16)
+    group = ("dgx0",) * 8 + ("dgx1",) * 8
+    extra = unpaired_exchange_s(overlapped, group, "H100-80GB", 1, 1)
+    alone = overlapped.expert_exchange_alone_s(group, 1, 1)
+    paired = overlapped.expert_exchange_times(group, "H100-80GB", 1, 1)
+    assert extra == pytest.approx((alone[0] - paired[0], alone[1] - paired[1])) and min(extra) > 0
+    plain = CostModel(cluster, model, TrainingSetup(), expert_parallel=16)
+    assert unpaired_exchange_s(plain, group, "H100-80GB", 1, 1) == (0.0, 0.0)
+    # A plan's fast estimate carries the same term as predict(): the overlap changes both alike.
+    plan = Plan.uniform(tensor_parallel=1, pipeline_parallel=2, data_parallel=8, micro_batch_size=1,
+                        num_layers=model.num_layers, global_batch_size=32, expert_parallel=8,
+                        expert_tensor_parallel=1, split_flags=SplitFlags(virtual_stages_per_rank=2))
+    devices = [{"host": n.host, "device_type": "H100-80GB", "vendor": "nvidia", "nic": "ib"}
+               for n in cluster.nodes for _ in range(n.count)]
+    plan = Plan.from_dict({**plan.to_dict(), "devices": devices})
+    options = PlannerOptions(expert_parallel=(8,))
+    times = {}
+    for overlap in (False, True):
+        setup = TrainingSetup(moe_a2a_overlap=overlap, virtual_stages=2)
+        planner = Planner(cluster, model, 32, dataclasses.replace(options, setup=setup))
+        fits, estimate_s = planner.estimate(plan)
+        predicted = predict(plan, cluster, planner.costs_for(1, 2))
+        assert fits == predicted.fits
+        times[overlap] = estimate_s, predicted.iteration_time_s
+    saved_estimate, saved_prediction = (1 - times[True][i] / times[False][i] for i in range(2))
+    assert saved_prediction > 0
+    assert saved_estimate == pytest.approx(saved_prediction, rel=0.15), times

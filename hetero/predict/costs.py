@@ -603,6 +603,16 @@ class CostModel:
             slowest = max(slowest, seconds)
         return 2 * slowest * model.moe_layer_fraction
 
+    def expert_exchange_alone_s(self, hosts: tuple[str, ...], tensor_parallel: int, micro_batch_size: int,
+                                recompute: str | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's token all-to-alls for one micro-batch with
+        nothing overlapping them (a recomputed forward, or a recomputed MoE layer, exchanges
+        again in backward)."""
+        exchange = self.expert_exchange_s(hosts, tensor_parallel, micro_batch_size)
+        recompute = recompute or self.setup.recompute
+        again = recompute_mode(recompute) == "full" or "moe" in recomputed_modules(recompute)
+        return exchange, exchange * (2 if again else 1)
+
     def expert_exchange_times(self, hosts: tuple[str, ...], device_name: str, tensor_parallel: int,
                               micro_batch_size: int, recompute: str | None = None) -> tuple[float, float]:
         """(forward, backward) seconds one layer's token all-to-alls add to one micro-batch on
@@ -613,8 +623,7 @@ class CostModel:
         exposed, the communication kernels' hold on the SMs included."""
         exchange = self.expert_exchange_s(hosts, tensor_parallel, micro_batch_size)
         recompute = recompute or self.setup.recompute
-        again = recompute_mode(recompute) == "full" or "moe" in recomputed_modules(recompute)
-        forward, backward = exchange, exchange * (2 if again else 1)
+        forward, backward = self.expert_exchange_alone_s(hosts, tensor_parallel, micro_batch_size, recompute)
         if not self.setup.moe_a2a_overlap or exchange == 0:
             return forward, backward
         fraction = self.model.moe_layer_fraction  # exchange is averaged over the layers

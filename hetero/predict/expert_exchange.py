@@ -46,3 +46,16 @@ def expert_data_group_hosts(data_group_hosts: Sequence[str], expert_data_paralle
     those take the stage's ranks in turn, so every (DP / EDP)-th member."""
     stride = max(1, len(data_group_hosts) // max(1, expert_data_parallel))
     return tuple(data_group_hosts[::stride][:expert_data_parallel])
+
+
+def unpaired_exchange_s(costs: CostModel, group_hosts: Sequence[str], device_name: str, tensor_parallel: int,
+                        micro_batch_size: int, recompute: str | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds one layer's all-to-alls take beyond CostModel's overlapped
+    price when its chunk runs outside a pair (the pipeline's warm-up and cool-down: moe_overlap.
+    unpaired_share); (0, 0) without --overlap-moe-expert-parallel-comm."""
+    group = tuple(group_hosts)
+    if not costs.setup.moe_a2a_overlap or len(group) <= 1:
+        return 0.0, 0.0
+    paired = costs.expert_exchange_times(group, device_name, tensor_parallel, micro_batch_size, recompute)
+    alone = costs.expert_exchange_alone_s(group, tensor_parallel, micro_batch_size, recompute)
+    return alone[0] - paired[0], alone[1] - paired[1]

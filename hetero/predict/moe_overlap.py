@@ -18,6 +18,9 @@ its combine_bwd attn_bwd's gradient), so a layer pair costs the end of this grap
 The communication kernels hold SMs while they run (megatron-core's defaults:
 --moe-deepep-num-sms 20 for DeepEP, --moe-hybridep-num-sms 16 for HybridEP); compute running
 beside them gets the rest of the device.
+
+Only the steady 1F1B pairs: the warm-up's forwards and the cool-down's backwards run alone,
+their all-to-alls exposed (unpaired_share).
 """
 
 from __future__ import annotations
@@ -98,3 +101,20 @@ def overlapped_pair_s(pair: LayerPair, compute_share: float) -> float:
                 position[i] += 1
                 left[i] = stream[position[i]][1] if position[i] < len(stream) else 0.0
     return now
+
+
+def unpaired_share(micro_batches: int, pipeline_parallel: int, stage: int, virtual_stages: int = 1) -> float:
+    """The share of a stage's forward chunks that run before its first pair (and of its
+    backward chunks after its last), as megatron-core schedules them with the overlap
+    (pipeline_parallel/schedules.py, get_pp_rank_microbatches; combined_1f1b.py): without a
+    pipeline the first forward and the last backward; in the interleaved schedule its warm-
+    up, (p - rank - 1) * 2 + (v - 1) * p chunks (micro-batch groups of p), plus one more
+    forward so that every pair's forward and backward are independent."""
+    chunks = micro_batches * virtual_stages
+    if chunks <= 0:
+        return 0.0
+    if pipeline_parallel == 1:
+        alone = 1
+    else:
+        alone = (pipeline_parallel - stage - 1) * 2 + (virtual_stages - 1) * pipeline_parallel + 1
+    return min(chunks, alone) / chunks

@@ -27,7 +27,8 @@ from hetero.predict.memory import GIB, MemoryEstimate, capacity_bytes, rank_memo
 from hetero.plan import Plan
 from hetero.predict.schedule import Op, StageTiming, simulate_1f1b
 from hetero.predict.stragglers import replica_spread, slowest_of
-from hetero.predict.expert_exchange import expert_exchange_beyond_node_s
+from hetero.predict.expert_exchange import expert_exchange_beyond_node_s, unpaired_exchange_s
+from hetero.predict.moe_overlap import unpaired_share
 from hetero.predict.tied_embedding import tied_embedding_sync_s
 
 
@@ -138,8 +139,12 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
         if plan.expert_parallel > 1:  # layer_cost priced the all-to-alls as if inside this node
             group, recompute = expert_group_hosts(plan, d, s), stage_recompute(plan, s, costs)
             beyond = expert_exchange_beyond_node_s(costs, group, host, slot.device_type, tp, mbs, recompute)
-            forward += plan.stages[s].num_layers * beyond[0]
-            backward += plan.stages[s].num_layers * beyond[1]
+            # ... and, with the overlap, as if every chunk were paired: the warm-up's and the
+            # cool-down's are not (averaged over the stage's chunks).
+            alone = unpaired_share(plan.replicas[d].num_micro_batches, pp, s, costs.setup.virtual_stages)
+            unpaired = unpaired_exchange_s(costs, group, slot.device_type, tp, mbs, recompute)
+            forward += plan.stages[s].num_layers * (beyond[0] + alone * unpaired[0])
+            backward += plan.stages[s].num_layers * (beyond[1] + alone * unpaired[1])
         send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
                                       tps[s + 1]) if s < pp - 1 else 0.0
         send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence, TypeVar
 
 from hetero.plan import Plan
-from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s
+from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s, unpaired_exchange_s
+from hetero.predict.moe_overlap import unpaired_share
 from hetero.predict.predictor import expert_group_hosts, stage_recompute
 from hetero.predict.schedule import PipelineShape, pipeline_shape
 from hetero.predict.stragglers import replica_spread, slowest_of
@@ -344,6 +345,13 @@ class FastEstimate(Memoised):
             if plan.expert_parallel > 1:  # the plan's own expert groups for the packed one layer_cost priced
                 for s in range(pp):
                     sends[s] += layers[s] * self._expert_groups_as_placed(plan, d, s, pattern[s], tp, modes[s])
+                    # the pipeline's unpaired chunks with overlapped all-to-alls (the search
+                    # leaves them out: a replica's micro-batch count is not known there)
+                    alone = unpaired_share(plan.replicas[d].num_micro_batches, pp, s, costs.setup.virtual_stages)
+                    if alone:
+                        unpaired = unpaired_exchange_s(costs, expert_group_hosts(plan, d, s), blocks.classes[pattern[s]].device_type,
+                                                       tp[pattern[s]], mbs, modes[s])
+                        sends[s] += layers[s] * alone * sum(unpaired)
             replicas.append((pattern, self.replica_shape(pattern, layers, modes, tp, mbs, sends),
                              plan.replicas[d].num_micro_batches))
         pipeline = self.slowest_replica(replicas, tp, mbs)
