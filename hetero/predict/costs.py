@@ -265,6 +265,10 @@ class CostModel:
         """The analytical forward of one layer by part, each averaged over the model's dense
         and MoE layers (a MoE part weighs the MoE layers' share): what selective
         recomputation of megatron-core's modules runs again."""
+        return self._memo(("parts", device_name, tensor_parallel, micro_batch_size),
+                          lambda: self._layer_forward_parts_of(device_name, tensor_parallel, micro_batch_size))
+
+    def _layer_forward_parts_of(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> dict[str, float]:
         m, t, v = self.model, tensor_parallel, self.setup.value_bytes
         tokens = m.seq_length * micro_batch_size
         h = m.hidden_size
