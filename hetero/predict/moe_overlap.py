@@ -106,10 +106,11 @@ def overlapped_pair_s(pair: LayerPair, compute_share: float) -> float:
 def unpaired_share(micro_batches: int, pipeline_parallel: int, stage: int, virtual_stages: int = 1) -> float:
     """The share of a stage's forward chunks that run before its first pair (and of its
     backward chunks after its last), as megatron-core schedules them with the overlap
-    (pipeline_parallel/schedules.py, get_pp_rank_microbatches; combined_1f1b.py): without a
-    pipeline the first forward and the last backward; in the interleaved schedule its warm-
-    up, (p - rank - 1) * 2 + (v - 1) * p chunks (micro-batch groups of p), plus one more
-    forward so that every pair's forward and backward are independent."""
+    (pipeline_parallel/schedules.py, get_pp_rank_microbatches;
+    pipeline_parallel/combined_1f1b.py): without a pipeline the first forward and the last
+    backward; in the interleaved schedule its warm-up, (p - rank - 1) * 2 + (v - 1) * p
+    chunks (micro-batch groups of p), plus one more forward so that every pair's forward
+    and backward are independent."""
     chunks = micro_batches * virtual_stages
     if chunks <= 0:
         return 0.0
