@@ -125,6 +125,10 @@ class ModelRecord(_Section):
     moe_ffn_hidden_size: Dimension | None = Field(default=None, description="default: ffn_hidden_size")
     moe_shared_expert_intermediate_size: Dimension | None = Field(
         default=None, description="shared experts' total FFN width; null: none")
+    moe_router_num_groups: Dimension | None = Field(
+        default=None, description="group-limited routing: expert groups (--moe-router-num-groups); null: none")
+    moe_router_group_topk: Dimension | None = Field(
+        default=None, description="groups a token's experts come from (--moe-router-group-topk)")
     moe_layer_freq: Dimension | list[Literal[0, 1]] = Field(
         default=1, description="every k-th layer is MoE, or one 0/1 per layer (--moe-layer-freq)")
     mtp_num_layers: Dimension | None = Field(default=None, description="multi-token prediction layers")

@@ -490,3 +490,20 @@ def test_overlapped_exchange_of_unpaired_chunks_is_priced_alike_by_estimate_and_
     saved_estimate, saved_prediction = (1 - times[True][i] / times[False][i] for i in range(2))
     assert saved_prediction > 0
     assert saved_estimate == pytest.approx(saved_prediction, rel=0.15), times
+
+
+def test_group_limited_routing_reaches_at_most_the_chosen_groups_nodes():
+    model = load_model("deepseek-v3")
+    assert (model.moe_router_num_groups, model.moe_router_group_topk) == (8, 4)
+    cluster = _dgx_h100(8)
+    hosts = tuple(f"dgx{i // 8}" for i in range(64))
+    flex = CostModel(cluster, model, TrainingSetup(moe_dispatcher="flex"), expert_parallel=64)
+    # Each node holds one of the 8 groups: a token reaches 4 of the 8 nodes, so each other node
+    # with probability 1 - C(7,4)/C(8,4) = 1/2; without groups, 1 - (7/8)^8.
+    assert flex._node_reached(1 / 8) == pytest.approx(0.5)
+    free = CostModel(cluster, dataclasses.replace(model, moe_router_num_groups=None, moe_router_group_topk=None),
+                     TrainingSetup(moe_dispatcher="flex"), expert_parallel=64)
+    assert free._node_reached(1 / 8) == pytest.approx(1 - (7 / 8) ** 8)
+    assert flex.expert_exchange_s(hosts, 2, 1) < free.expert_exchange_s(hosts, 2, 1)
+    # Groups that straddle nodes (a node holding half a group) limit nothing the model can count.
+    assert flex._node_reached(1 / 16) == pytest.approx(1 - (15 / 16) ** 8)

@@ -119,7 +119,8 @@ def test_sigterm_to_one_worker_stops_every_rank_and_names_it(tmp_path, uninterru
     cause = f"launch rank 1 ({os.uname().nodename}, pid {workers[1]}) received SIGTERM"
     assert sum(cause in line for line in job.lines) == 4, job.output[-3000:]  # every rank says why
     stopped = events.of_kind(job.events(), Stopped)  # and records it
-    assert sorted(e.launch_rank for e in stopped) == [0, 1, 2, 3] and {e.cause for e in stopped} == {cause}
+    assert sorted(e.launch_rank for e in stopped) == [0, 1, 2, 3] and {e.cause for e in stopped} == {cause}, (
+        job.events(), job.output[-3000:])
     assert not events.of_kind(job.events(), LostRanks)
     print(f"job stopped {stopped_after:.1f} s after SIGTERM")
     _assert_resumes_the_same_training(tmp_path, uninterrupted)

@@ -51,6 +51,7 @@ def _megatron_args(model: ModelSpec) -> Namespace:
         swiglu=model.swiglu, padded_vocab_size=model.vocab_size, num_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk, moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
         moe_layer_freq=list(model.moe_layer_freq) if isinstance(model.moe_layer_freq, tuple) else model.moe_layer_freq,
         mtp_num_layers=model.mtp_num_layers, multi_latent_attention=model.multi_latent_attention,
         q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,

@@ -17,6 +17,7 @@ own NIC shares in parallel), all-gather inside each node.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from hetero.spec.cluster import Cluster, Route
@@ -598,14 +599,28 @@ class CostModel:
             if outside:
                 leaving = sent * (ep - members) / ep * members  # the node's members, one NIC share
                 if self.setup.moe_dispatcher == "flex":
-                    topk = model.moe_router_topk
-                    nodes_reached = sum(1 - (1 - per_host[h] / ep) ** topk for h in outside)
-                    leaving = sent / topk * nodes_reached * members
+                    nodes_reached = sum(self._node_reached(per_host[h] / ep) for h in outside)
+                    leaving = sent / model.moe_router_topk * nodes_reached * members
                 route = min((self.route(host, h, parallel_flows=members) for h in outside),
                             key=lambda r: r.bandwidth)
                 seconds += len(outside) * route.latency + leaving / route.bandwidth
             slowest = max(slowest, seconds)
         return 2 * slowest * model.moe_layer_fraction
+
+    def _node_reached(self, share: float) -> float:
+        """The chance that a token has one of its experts on a node holding this share of the
+        expert-parallel group's experts, routing spread evenly: missed by all top-k with
+        probability (1 - share)^k. With group-limited routing whose groups each lie on one
+        node (the node holding share x G of them), the node is reached when one of its groups
+        is among the token's group_topk (each chosen group taking one of its experts at
+        least)."""
+        m = self.model
+        groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
+        if groups and chosen:
+            held = share * groups
+            if abs(held - round(held)) < 1e-9 and round(held) >= 1:
+                return 1 - math.comb(groups - round(held), chosen) / math.comb(groups, chosen)
+        return 1 - (1 - share) ** m.moe_router_topk
 
     def expert_exchange_alone_s(self, hosts: tuple[str, ...], tensor_parallel: int, micro_batch_size: int,
                                 recompute: str | None = None) -> tuple[float, float]:

@@ -120,6 +120,12 @@ class ModelSpec:
     """Each expert's FFN width; defaults to ffn_hidden_size."""
     moe_shared_expert_intermediate_size: int | None = None
     """Total FFN width of the shared experts every token passes through (None: none)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (--moe-router-num-groups): the experts in this many groups of
+    consecutive experts, a token routed within moe_router_group_topk of them (DeepSeek-V3:
+    8 groups, one per node at EP 64, 4 per token). None: any expert."""
+    moe_router_group_topk: int | None = None
+    """Groups a token's experts are chosen from (--moe-router-group-topk)."""
     moe_layer_freq: int | tuple[int, ...] = 1
     """Which layers are MoE, as --moe-layer-freq: every k-th layer (k=1: all), or one 0/1 per
     layer (DeepSeek-V3's first three dense layers: (0, 0, 0, 1, ..., 1))."""
@@ -195,6 +201,7 @@ class ModelSpec:
             max_position_embeddings=get("max_position_embeddings"), num_experts=get("num_experts"),
             moe_router_topk=get("moe_router_topk") or 2, moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
             moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+            moe_router_num_groups=get("moe_router_num_groups"), moe_router_group_topk=get("moe_router_group_topk"),
             moe_layer_freq=moe_layer_freq_of(get("moe_layer_freq") or 1), mtp_num_layers=get("mtp_num_layers"),
             multi_latent_attention=bool(get("multi_latent_attention", False)),
             q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank") or 32,
@@ -597,14 +604,15 @@ PRESETS: dict[str, ModelSpec] = {
     # DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, sections 2 and 4.2; the card's
     # config.json): 61 layers of width 7168, MLA with 128 heads (q rank 1536, kv rank 512,
     # 128 + 64 rotary query/key, 128 value), the first 3 layers dense (FFN 18432), then 256
-    # routed experts of 2048 top-8 plus 1 shared expert, one MTP layer, 129,280 tokens;
-    # 671B parameters (+14B for MTP), 37B active.
+    # routed experts of 2048 top-8 plus 1 shared expert, chosen within 4 of 8 expert groups
+    # (node-limited routing, section 2.1.2), one MTP layer, 129,280 tokens; 671B parameters
+    # (+14B for MTP), 37B active.
     "deepseek-v3": ModelSpec(
         num_layers=61, hidden_size=7168, num_attention_heads=128, seq_length=4096, vocab_size=129280,
         ffn_hidden_size=18432, swiglu=True, untie_embeddings_and_output_weights=True, add_bias_linear=False,
         normalization="RMSNorm", position_embedding_type="rope", num_experts=256, moe_router_topk=8,
         moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
-        moe_layer_freq=(0,) * 3 + (1,) * 58, mtp_num_layers=1, multi_latent_attention=True,
+        moe_router_num_groups=8, moe_router_group_topk=4, moe_layer_freq=(0,) * 3 + (1,) * 58, mtp_num_layers=1, multi_latent_attention=True,
         q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128),
     # gpt-oss-120b (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", table 1; the card's
     # config.json): 36 layers of width 2880, 64 query / 8 key-value heads of 64, a 128-token

@@ -248,7 +248,7 @@ class Watchdog:
         self.store.set_timeout(timedelta(seconds=5))
         keys = [f"{kind}/{r}" for kind in ("where", "alive", "done") for r in ranks]
         values = dict(zip(keys, self.store.multi_get(keys)))
-        now, lost = time.time(), []
+        now, suspects = time.time(), []
         for r in ranks:
             if values[f"done/{r}"] != b"0":  # finished, or stopped on a failure it reported
                 continue
@@ -256,13 +256,22 @@ class Watchdog:
             age = now - float(values[f"alive/{r}"].decode())
             gone = machine == self.machine and not _process_exists(int(pid))
             if r in self._lost or gone or age > self.peer_timeout_s:
-                if r not in self._lost:  # later looks may see only the aftermath (a kill)
-                    why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s"
-                    if not gone and machine == self.machine:
-                        why += _kill_frozen(int(pid))
-                    self._lost[r] = why
-                lost.append(LostRank(launch_rank=r, logical_rank=self.plan.logical_rank(r), host=host,
-                                     pid=int(pid), why=self._lost[r]))
+                suspects.append((r, host, int(pid), machine, age, gone))
+        # A rank that stops on its own marks itself done, then exits: read the marks again
+        # after seeing a process gone, or one that marked in between (on a loaded machine)
+        # would be taken for lost.
+        marks = self.store.multi_get([f"done/{r}" for r, *_ in suspects]) if suspects else []
+        lost = []
+        for (r, host, pid, machine, age, gone), mark in zip(suspects, marks):
+            if mark != b"0" and r not in self._lost:
+                continue
+            if r not in self._lost:  # later looks may see only the aftermath (a kill)
+                why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s"
+                if not gone and machine == self.machine:
+                    why += _kill_frozen(pid)
+                self._lost[r] = why
+            lost.append(LostRank(launch_rank=r, logical_rank=self.plan.logical_rank(r), host=host,
+                                 pid=pid, why=self._lost[r]))
         return lost
 
 
