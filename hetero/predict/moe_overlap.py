@@ -33,8 +33,8 @@ COMPUTE_UNITS = {"V100": 80, "A100": 108, "A800": 108, "H100": 132, "H800": 132,
 DEFAULT_COMPUTE_UNITS = 132
 COMMUNICATION_UNITS = {"flex": 20, "alltoall": 20}
 """SMs the token all-to-all holds while it runs: megatron-core's --moe-deepep-num-sms default
-for the flex dispatcher. NCCL's all-to-all kernel is given the same (an assumption: NCCL sizes
-its channels itself)."""
+for the flex dispatcher (the plan does not say DeepEP or HybridEP, whose default is 16).
+NCCL's all-to-all kernel is given the same (an assumption: NCCL sizes its channels itself)."""
 
 
 @dataclass(frozen=True)
