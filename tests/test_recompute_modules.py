@@ -4,6 +4,8 @@ the setting from the flags through the plan to the prediction."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from hetero.errors import HeteroError
@@ -84,13 +86,19 @@ def test_recomputing_the_moe_layer_exchanges_its_tokens_again(moe_costs):
     assert moe_costs.expert_exchange_times(hosts, DEVICE, 1, 1, "selective:moe") == (exchange, 2 * exchange)
 
 
+# Activations one layer keeps per micro-batch, bf16, TP 2 with sequence parallelism, flash attention.
+BYTES, TP = 2, 2
+
+
+def _kept(model, setting: str) -> float:
+    return model.layer_activation_bytes(1, TP, BYTES, fused_kernels=True, dropout=False, recompute=setting,
+                                        sequence_parallel=True)
+
+
 def test_each_module_keeps_fewer_activations():
     model = load_model("qwen3-30b-a3b")
-    tokens, v, t = model.seq_length, 2, 2
-
-    def kept(setting: str) -> float:
-        return model.layer_activation_bytes(1, t, v, fused_kernels=True, dropout=False, recompute=setting,
-                                            sequence_parallel=True)
+    tokens, v, t = model.seq_length, BYTES, TP
+    kept = functools.partial(_kept, model)
 
     none = kept("none")
     # layernorm: the two norm outputs (the QKV and fc1 inputs), sequence-parallel.
@@ -108,11 +116,8 @@ def test_each_module_keeps_fewer_activations():
 
 def test_mla_up_projection_recomputation_drops_queries_keys_and_values():
     model = load_model("deepseek-v3")
-    tokens, v, t = model.seq_length, 2, 2
-
-    def kept(setting: str) -> float:
-        return model.layer_activation_bytes(1, t, v, fused_kernels=True, dropout=False, recompute=setting,
-                                            sequence_parallel=True)
+    tokens, v, t = model.seq_length, BYTES, TP
+    kept = functools.partial(_kept, model)
 
     heads = model.num_attention_heads
     qk = heads * (model.qk_head_dim + model.qk_pos_emb_head_dim)
