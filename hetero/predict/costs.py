@@ -640,9 +640,9 @@ class CostModel:
         another's backward and runs each one's all-to-alls beside the other's compute, as
         megatron-core orders them (moe_overlap.py): what the pair takes beyond its compute is
         exposed, the communication kernels' hold on the SMs included."""
-        exchange = self.expert_exchange_s(hosts, tensor_parallel, micro_batch_size)
         recompute = recompute or self.setup.recompute
         forward, backward = self.expert_exchange_alone_s(hosts, tensor_parallel, micro_batch_size, recompute)
+        exchange = forward  # one direction's dispatch and combine
         if not self.setup.moe_a2a_overlap or exchange == 0:
             return forward, backward
         fraction = self.model.moe_layer_fraction  # exchange is averaged over the layers

@@ -356,14 +356,16 @@ class FastEstimate(Memoised):
                              plan.replicas[d].num_micro_batches))
         pipeline = self.slowest_replica(replicas, tp, mbs)
         groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
-        spanning = sum(plan.stage_tensor_parallel[s] for s, g in enumerate(groups)
-                       if len({cluster.node(h).group for h in g}) > 1)
+        crossing = [s for s, g in enumerate(groups) if len({cluster.node(h).group for h in g}) > 1]
+        spanning = sum(plan.stage_tensor_parallel[s] for s in crossing)
         terms = [costs.allreduce_terms(tuple(g), max(1, spanning)) for g in groups]
-        expert_spanning = sum(costs.expert_parallel * costs.expert_tensor_parallel_at(plan.stage_tensor_parallel[s])
-                              for s, g in enumerate(groups) if len({cluster.node(h).group for h in g}) > 1)
-        expert_terms = [costs.allreduce_terms(
-            expert_data_group_hosts(g, costs.expert_data_parallel_at(plan.stage_tensor_parallel[s], dp)),
-            max(1, expert_spanning)) for s, g in enumerate(groups)]
+        expert_terms = None
+        if plan.expert_parallel > 1:
+            expert_spanning = sum(costs.expert_parallel * costs.expert_tensor_parallel_at(plan.stage_tensor_parallel[s])
+                                  for s in crossing)
+            expert_terms = [costs.allreduce_terms(
+                expert_data_group_hosts(g, costs.expert_data_parallel_at(plan.stage_tensor_parallel[s], dp)),
+                max(1, expert_spanning)) for s, g in enumerate(groups)]
         tie_s = tied_embedding_sync_s(costs, [hosts_of_stage(plan, d, 0) for d in range(dp)],
                                       [hosts_of_stage(plan, d, pp - 1) for d in range(dp)]) if pp > 1 else 0.0
         return fits, pipeline + self.reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms, tie_s, expert_terms)
