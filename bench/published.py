@@ -202,6 +202,8 @@ class MoeRow:
     """flex where the recipe selects DeepEP or HybridEP, else megatron-core's all-to-all."""
     recompute: str = "none"
     """The recipe's recomputation (hetero/spec/recompute.py names)."""
+    overlap_grad_reduce: bool = True
+    """Megatron-Bridge turns it on wherever data parallelism is; a recipe may turn it off."""
     not_compared: str | None = None
     """Why a published row is shown but left out of the comparison."""
 
@@ -231,10 +233,15 @@ MOE_TABLE = [
     # 25.09 container, DGX-H100 row "DeepSeekV3 (dropless)": FP8 (per-tensor), 338 model
     # TFLOP/s/GPU. Recipe (v0.2.1 configs): DeepEP flex dispatcher, all-to-all overlapped with
     # another micro-batch's compute (moe_a2a_overlap), selective recomputation of MLA's up-
-    # projections and the dense layers' MLP. 61 layers over 8 x 4 chunks.
+    # projections and the dense layers' MLP, the gradient reduction not overlapped ("to avoid
+    # functional errors"). 61 layers and the multi-token-prediction layer over
+    # 8 x 4 chunks, "Et|(tt|)*30mL": rank 0 holds 7 layers, ranks 1-6 8, rank 7 6 and the MTP
+    # layer, which its last chunk holds alone with the loss. A plan gives every chunk a decoder
+    # layer, so rank 7's sixth layer moves from its third chunk to its last: the same layers per
+    # rank, which is what the prediction reads (a rank's chunks each run 1/v of its stage).
     MoeRow("DeepSeek-V3 671B", "deepseek-v3", "Megatron-Bridge archive, 25.09, DGX-H100", "fp8",
-           1024, 8192, 1, 2, 8, 4, 64, 1297, layout="Et|(tt|)*29t|tL", a2a_overlap=True,
-           dispatcher="flex", recompute="selective:mla_up_proj,mlp"),
+           1024, 8192, 1, 2, 8, 4, 64, 1297, layout="Et|(tt|)*22t|(tt|)*7tmL", a2a_overlap=True,
+           dispatcher="flex", recompute="selective:mla_up_proj,mlp", overlap_grad_reduce=False),
     # 25.09, "Qwen3_30B_a3B (tokendrop)": 241 TFLOP/s/GPU.
     MoeRow("Qwen3-30B-A3B (token-drop)", "qwen3-30b-a3b", "Megatron-Bridge archive, 25.09, DGX-H100", "fp8",
            16, 512, 2, 1, 2, 24, 8, 10494),
@@ -289,7 +296,7 @@ def predict_moe_row(row: MoeRow, a2a_overlap: bool | None = None) -> Prediction:
     setup = TrainingSetup(row.precision, distributed_optimizer=True, fused_kernels=True, dropout=False,
                           recompute=row.recompute, grad_reduce_dtype="bf16",  # every recipe: grad_reduce_in_fp32 off
                           sequence_parallel=row.tensor_parallel > 1, virtual_stages=row.virtual_stages,
-                          overlap_grad_reduce=True, overlap_param_gather=True, moe_a2a_overlap=row.a2a_overlap if a2a_overlap is None else a2a_overlap,
+                          overlap_grad_reduce=row.overlap_grad_reduce, overlap_param_gather=True, moe_a2a_overlap=row.a2a_overlap if a2a_overlap is None else a2a_overlap,
                           moe_dispatcher=row.dispatcher, fp8_recipe="tensorwise")
     return predict(plan, cluster, CostModel(cluster, model, setup))
 

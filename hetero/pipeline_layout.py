@@ -202,9 +202,10 @@ def _layout_split(text: str, num_layers: int, pp: int) -> list[list[int]]:
     if flat.count("t") != num_layers:
         raise PlanError(f"--pipeline-model-parallel-layout {text!r} places {flat.count('t')} decoder layers (t), "
                         f"--num-layers is {num_layers}; make them agree")
-    if "m" in flat:
-        raise PlanError(f"--pipeline-model-parallel-layout {text!r} places multi-token-prediction layers (m), "
-                        "which pipeline stages cannot hold here (see --mtp-num-layers); drop the m")
+    if "m" in flat and ("m" in "".join(stages[:-1]) or not stages[-1].rstrip("L").endswith("m")):
+        raise PlanError(f"--pipeline-model-parallel-layout {text!r} places multi-token-prediction layers (m) "
+                        "elsewhere than after the decoder layers of the last stage, beside the loss, where "
+                        "heterogeneous plans keep them (megatron-core's default); end the layout with ...mL")
     virtual = len(stages) // pp
     return [[stages[v * pp + s].count("t") for v in range(virtual)] for s in range(pp)]
 

@@ -472,7 +472,7 @@ class Plan(BaseModel):
         if empty:
             raise PlanError(
                 f"Megatron-LM's split of {num_layers} layers {split} leaves {', '.join(empty)} without a "
-                "decoder layer (only the embedding or the loss), which a plan cannot hold yet; give "
+                "decoder layer (only the embedding, the loss or multi-token-prediction layers), which a plan cannot hold yet; give "
                 "every (virtual) stage at least one layer")
         per_replica = micro_batch_size * data_parallel
         if global_batch_size % per_replica:

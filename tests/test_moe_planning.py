@@ -265,3 +265,44 @@ def test_window_flags_reach_the_planned_model():
                         "--max-position-embeddings", "128", "--vocab-size", "1000", "--tokenizer-type", "NullTokenizer",
                         "--window-size", "(64,0)", "--window-attn-skip-freq", "2"])
     assert job.model.window_size == (64, 0) and job.model.window_layer_pattern() == (1, 0, 1, 0)
+
+
+def test_multi_token_prediction_layers_run_on_the_last_stage():
+    """megatron-core keeps the MTP layers with the loss: the last stage runs, per micro-batch,
+    one more layer of the last layer's kind (a MoE layer for a DeepSeek-V3 shape whose
+    average layer mixes in a dense one), its projection and another output layer, and holds
+    their weights and activations; the other stages are unchanged."""
+    import dataclasses
+    cluster = Cluster.load(MOE_CLUSTER)
+    with_mtp = PRESETS["deepseek-v3-proxy"]
+    without = dataclasses.replace(with_mtp, mtp_num_layers=None)
+    hosts = ["h100-0", "h100-1"]
+    plan = with_expert_parallel(Plan.uniform(
+        tensor_parallel=1, pipeline_parallel=2, data_parallel=8, micro_batch_size=1, num_layers=8,
+        global_batch_size=64, devices=_devices(cluster, hosts)), 4)
+    setup = TrainingSetup("bf16", distributed_optimizer=True)
+    predictions = {}
+    for name, model in (("mtp", with_mtp), ("none", without)):
+        costs = CostModel(cluster, model, setup, expert_parallel=4, expert_tensor_parallel=1)
+        predictions[name] = (predict(plan, cluster, costs), costs)
+    (mtp, costs), (none, _) = predictions["mtp"], predictions["none"]
+    first = [r for r in mtp.reports if r.slot.stage == 0][0]
+    assert first.timing == [r for r in none.reports if r.slot.stage == 0][0].timing
+    last, last_none = ([r for r in p.reports if r.slot.stage == 1][0] for p in (mtp, none))
+    added = last.timing.forward_s - last_none.timing.forward_s
+    assert added == pytest.approx(costs.mtp_times("H100-80GB", 1, 1)[0], rel=1e-6)  # EP inside a node
+    moe_layer = costs.mtp_layer_costs().layer_cost("H100-80GB", "h100-1", 1, 1).forward_s
+    average_layer = costs.layer_cost("H100-80GB", "h100-1", 1, 1).forward_s
+    assert moe_layer > average_layer and added > moe_layer + costs._logits_s("H100-80GB", 1, 1)
+    assert last.memory.weights > last_none.memory.weights and last.memory.activations > last_none.memory.activations
+    assert mtp.iteration_time_s > none.iteration_time_s
+    # the fast estimate prices the same last stage
+    planner = Planner(cluster, with_mtp, 64, PlannerOptions(expert_parallel=(4,)))
+    seconds = planner.estimate(plan)[1]
+    assert seconds == pytest.approx(planner_prediction(planner, plan, cluster).iteration_time_s, rel=0.1)
+    assert seconds > Planner(cluster, without, 64, PlannerOptions(expert_parallel=(4,))).estimate(plan)[1]
+
+
+def planner_prediction(planner: Planner, plan: Plan, cluster: Cluster):
+    return predict(plan, cluster, planner.costs_for(plan.tensor_parallel).with_experts(
+        plan.expert_parallel, plan.expert_tensor_parallel))

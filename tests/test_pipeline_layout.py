@@ -132,6 +132,10 @@ def test_megatron_lm_only_checks():
     assert parse_layout("E|(tt|)*2,t*2L") == ["E", "tt", "tt", "ttL"]
     with pytest.raises(PlanError, match="'x' is not a layer"):
         parse_layout("Et|xL")
+    # multi-token-prediction layers (m) sit beside the loss, after the last stage's decoder layers
+    assert megatron_split(4, 2, SplitFlags(layout="Et|t*3mL")) == [[1], [3]]
+    with pytest.raises(PlanError, match=r"end the layout with \.\.\.mL"):
+        megatron_split(4, 2, SplitFlags(layout="Etm|t*3L"))
     with pytest.raises(PlanError, match="without a decoder layer"):  # megatron-core builds it; a plan cannot
         Plan.uniform(tensor_parallel=1, pipeline_parallel=3, data_parallel=1, micro_batch_size=1,
                      num_layers=4, global_batch_size=3, split_flags=SplitFlags(layout="E|t*4|L"))

@@ -437,11 +437,20 @@ class CostModel:
                           first: bool, last: bool) -> tuple[float, float]:
         """(forward, backward) a stage spends per micro-batch beyond its decoder layers: the
         first reads the batch and runs the embedding, the last reads the labels and runs the
-        output layer and loss. A profile measures it all as "logits" (a one-stage model);
-        its embedding share, when measured, goes to the first stage, the rest to the last
-        (a profile without the share puts it all on the last, as earlier releases did)."""
+        output layer and loss, and the multi-token-prediction layers (mtp_times). A profile
+        measures the ends as "logits" (a one-stage model); its embedding share, when
+        measured, goes to the first stage, the rest to the last (a profile without the share
+        puts it all on the last, as earlier releases did)."""
         if not (first or last):
             return 0.0, 0.0
+        forward, backward = self._stage_ends_s(device_name, tensor_parallel, micro_batch_size, first, last)
+        if last:
+            mtp = self.mtp_times(device_name, tensor_parallel, micro_batch_size)
+            forward, backward = forward + mtp[0], backward + mtp[1]
+        return forward, backward
+
+    def _stage_ends_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int,
+                      first: bool, last: bool) -> tuple[float, float]:
         profile = self._compute_profile(device_name)
         if profile is not None:
             entry, scale = Profiles.entry(profile, tensor_parallel, micro_batch_size)
@@ -465,12 +474,59 @@ class CostModel:
             backward += self._memory_s(device_name, tokens * m.hidden_size * v + m.vocab_size / tensor_parallel
                                        * m.hidden_size * self.setup.grad_bytes)
         if last:
-            vocab = m.vocab_size / tensor_parallel
-            logits = self._gemm_s(device_name, tokens, vocab, m.hidden_size) + self._memory_s(
-                device_name, tokens * vocab * (v + 4) * 2)  # logits to fp32, softmax, loss
+            logits = self._logits_s(device_name, tensor_parallel, micro_batch_size)
             forward, backward = forward + logits, backward + 2 * logits
         gaps = end_kernel_gaps_s(first, last)
         return forward + gaps[0], backward + gaps[1]
+
+    def _logits_s(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> float:
+        """The output layer's GEMM and the loss (logits to fp32, softmax), forward."""
+        m, tokens = self.model, self.model.seq_length * micro_batch_size
+        vocab = m.vocab_size / tensor_parallel
+        return (self._gemm_s(device_name, tokens, vocab, m.hidden_size)
+                + self._memory_s(device_name, tokens * vocab * (self.setup.value_bytes + 4) * 2))
+
+    def mtp_layer_costs(self) -> "CostModel":
+        """The cost model of one multi-token-prediction layer: the model's last layer kind
+        (a MoE layer for DeepSeek-V3, whose average layer mixes in three dense ones)."""
+        kind = self.model.mtp_layer_model()
+        if kind is self.model:
+            return self
+        return self._memo(("mtp kind",), lambda: CostModel(
+            self.cluster, kind, self.setup, self.profiles, self.expert_parallel, self.expert_tensor_parallel))
+
+    def mtp_times(self, device_name: str, tensor_parallel: int, micro_batch_size: int) -> tuple[float, float]:
+        """(forward, backward) of the multi-token-prediction layers, which megatron-core runs
+        on the last pipeline stage after the loss's hidden states, per micro-batch. Each is a
+        decoder layer of the last layer's kind (its expert exchange priced inside a node; the
+        predictor adds what crosses nodes, mtp_exchange_layers), the 2h -> h projection of
+        the shifted token's embedding beside the hidden state, with their norms and the
+        embedding lookup, and another output layer and loss. A measured layer stands in for
+        the MTP layer where the device is profiled."""
+        m = self.model
+        if not m.mtp_num_layers:
+            return 0.0, 0.0
+        host = next(n.host for n in self.cluster.nodes if n.device.name == device_name)
+        kind = self if self._compute_profile(device_name) is not None else self.mtp_layer_costs()
+        layer = kind.layer_cost(device_name, host, tensor_parallel, micro_batch_size)
+        tokens, h, v = m.seq_length * micro_batch_size, m.hidden_size, self.setup.value_bytes
+        split = tensor_parallel if self.setup.sequence_parallel else 1
+        projection = (self._linear_s(device_name, tokens, h / tensor_parallel, 2 * h)
+                      # the lookup, two norms (read, write) and the concatenation, over the hidden width
+                      + self._memory_s(device_name, tokens * v * h * (3 + 2 * 2 + 4) / split))
+        ends = projection + self._logits_s(device_name, tensor_parallel, micro_batch_size)
+        gaps = end_kernel_gaps_s(False, True)
+        return (m.mtp_num_layers * (layer.forward_s + ends + gaps[0]),
+                m.mtp_num_layers * (layer.backward_s + 2 * ends + gaps[1]))
+
+    def mtp_exchange_layers(self) -> float:
+        """The multi-token-prediction layers' expert exchange, in units of the average layer's
+        (which weighs a MoE layer's by the MoE share): what the last stage adds to its layer
+        count where the predictor prices the exchange beyond a node."""
+        m = self.model
+        if not m.mtp_num_layers or not m.is_moe or not m.moe_layer_pattern()[-1]:
+            return 0.0
+        return m.mtp_num_layers / m.moe_layer_fraction
 
     def layer_activation_bytes(self, tensor_parallel: int, micro_batch_size: int,
                                recompute: str | None = None) -> float:

@@ -73,7 +73,14 @@ def stage_params(costs: CostModel, num_layers: int, first: bool, last: bool, num
         params += model.output_params()
     elif last:  # one stage, tied: the output layer reuses the embedding table
         params += model.output_params() - model.vocab_size * model.hidden_size
+    if last:  # megatron-core keeps the multi-token-prediction layers with the loss
+        params += model.mtp_params()
     return params
+
+
+def stage_expert_params(costs: CostModel, num_layers: int, last: bool) -> float:
+    """The routed experts among stage_params (the last stage's MTP layers' included)."""
+    return num_layers * costs.model.expert_params() + (costs.model.mtp_expert_params() if last else 0.0)
 
 
 def rank_params(costs: CostModel, num_layers: int, first: bool, last: bool, num_stages: int,
@@ -81,7 +88,7 @@ def rank_params(costs: CostModel, num_layers: int, first: bool, last: bool, num_
     """(dense, expert) parameters one rank of a stage holds: the dense part split over the
     tensor-parallel ranks, the routed experts over expert-parallel x expert-tensor ranks
     (costs.expert_parallel; with EP 1 that is TP, as for the dense part)."""
-    experts = num_layers * costs.model.expert_params()
+    experts = stage_expert_params(costs, num_layers, last)
     dense = stage_params(costs, num_layers, first, last, num_stages) - experts
     grid = costs.expert_parallel * costs.expert_tensor_parallel_at(tensor_parallel)
     return dense / tensor_parallel, experts / grid
@@ -133,6 +140,10 @@ def rank_memory(
     if last:
         per_micro_batch += costs.model.logits_activation_bytes(
             micro_batch_size, tensor_parallel, setup.value_bytes)
+        if costs.model.mtp_num_layers:  # each MTP layer, and its own output layer and loss
+            per_micro_batch += costs.model.mtp_num_layers * (
+                costs.mtp_layer_costs().layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
+                + costs.model.logits_activation_bytes(micro_batch_size, tensor_parallel, setup.value_bytes))
     if first:
         per_micro_batch += costs.activation_message_bytes(micro_batch_size, tensor_parallel)
     largest_weight = costs.model.layer_params()

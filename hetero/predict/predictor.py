@@ -143,8 +143,10 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
             # cool-down's are not (averaged over the stage's chunks).
             alone = unpaired_share(plan.replicas[d].num_micro_batches, pp, s, costs.setup.virtual_stages)
             unpaired = unpaired_exchange_s(costs, group, slot.device_type, tp, mbs, recompute)
-            forward += plan.stages[s].num_layers * (beyond[0] + alone * unpaired[0])
-            backward += plan.stages[s].num_layers * (beyond[1] + alone * unpaired[1])
+            # (the last stage's multi-token-prediction layers exchange tokens too)
+            exchanging = plan.stages[s].num_layers + (costs.mtp_exchange_layers() if s == pp - 1 else 0.0)
+            forward += exchanging * (beyond[0] + alone * unpaired[0])
+            backward += exchanging * (beyond[1] + alone * unpaired[1])
         send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
                                       tps[s + 1]) if s < pp - 1 else 0.0
         send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],

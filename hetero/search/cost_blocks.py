@@ -112,9 +112,17 @@ class CostBlocks(Memoised):
             self.layer_time(c, tp, mbs, mode) for c, mode in zip(pattern, modes)])
 
     def extra_time(self, c: int, tp: Degrees, mbs: int, first: bool, last: bool) -> float:
-        """What a stage on class c runs beyond its layers (CostModel.stage_extra_times)."""
-        return self._memo(("extra", c, tp[c], max(tp), mbs, first, last), lambda: sum(
-            self.job_costs(tp).stage_extra_times(self.classes[c].device_type, tp[c], mbs, first, last)))
+        """What a stage on class c runs beyond its layers (CostModel.stage_extra_times; the
+        last stage's multi-token-prediction layers exchange tokens as layer_cost's do)."""
+        def compute() -> float:
+            costs, cl = self.job_costs(tp), self.classes[c]
+            extra = sum(costs.stage_extra_times(cl.device_type, tp[c], mbs, first, last))
+            if last and costs.mtp_exchange_layers():
+                beyond = expert_exchange_beyond_node_s(costs, self.expert_group(c, tp), cl.hosts[0], cl.device_type,
+                                                       tp[c], mbs, None)
+                extra += costs.mtp_exchange_layers() * sum(beyond)
+            return extra
+        return self._memo(("extra", c, tp[c], max(tp), mbs, first, last), compute)
 
     def end_times(self, first: Iterable[int], last: Iterable[int], stages: int, tp: Degrees,
                   mbs: int) -> tuple[float, float]:

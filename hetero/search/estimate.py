@@ -19,6 +19,7 @@ from typing import Hashable, Iterable, NamedTuple, Sequence, TypeVar
 
 from hetero.plan import Plan
 from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s, unpaired_exchange_s
+from hetero.predict.memory import stage_expert_params
 from hetero.predict.moe_overlap import unpaired_share
 from hetero.predict.predictor import expert_group_hosts, stage_recompute
 from hetero.predict.schedule import PipelineShape, pipeline_shape
@@ -307,7 +308,7 @@ class FastEstimate(Memoised):
 
     def _rank_params(self, layers: list[int], s: int, tensor_parallel: int, costs) -> tuple[float, float]:
         """(dense, expert) parameters of one rank of stage s (memory.rank_params)."""
-        experts = layers[s] * self.model.expert_params()
+        experts = stage_expert_params(costs, layers[s], s == len(layers) - 1)
         grid = costs.expert_parallel * costs.expert_tensor_parallel_at(tensor_parallel)
         return (self.blocks.stage_params(layers, s) - experts) / tensor_parallel, experts / grid
 
@@ -344,14 +345,15 @@ class FastEstimate(Memoised):
                 sends[s + 1] += blocks.send_time(b, a, tp, mbs, same, at_boundary)
             if plan.expert_parallel > 1:  # the plan's own expert groups for the packed one layer_cost priced
                 for s in range(pp):
-                    sends[s] += layers[s] * self._expert_groups_as_placed(plan, d, s, pattern[s], tp, modes[s])
+                    exchanging = layers[s] + (costs.mtp_exchange_layers() if s == pp - 1 else 0.0)
+                    sends[s] += exchanging * self._expert_groups_as_placed(plan, d, s, pattern[s], tp, modes[s])
                     # the pipeline's unpaired chunks with overlapped all-to-alls (the search
                     # leaves them out: a replica's micro-batch count is not known there)
                     alone = unpaired_share(plan.replicas[d].num_micro_batches, pp, s, costs.setup.virtual_stages)
                     if alone:
                         unpaired = unpaired_exchange_s(costs, expert_group_hosts(plan, d, s), blocks.classes[pattern[s]].device_type,
                                                        tp[pattern[s]], mbs, modes[s])
-                        sends[s] += layers[s] * alone * sum(unpaired)
+                        sends[s] += exchanging * alone * sum(unpaired)
             replicas.append((pattern, self.replica_shape(pattern, layers, modes, tp, mbs, sends),
                              plan.replicas[d].num_micro_batches))
         pipeline = self.slowest_replica(replicas, tp, mbs)

@@ -429,22 +429,25 @@ class ModelSpec:
         final_norm = self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
         return final_norm + self.vocab_size * self.hidden_size
 
+    def mtp_layer_model(self) -> "ModelSpec":
+        """This model with every decoder layer of its last layer's kind: what one multi-token-
+        prediction layer costs and keeps (megatron-core builds each from the last layer's spec)."""
+        if not self.is_moe or self.moe_layer_fraction in (0.0, 1.0):
+            return self
+        return dataclasses.replace(self, moe_layer_freq=(self.moe_layer_pattern()[-1],) * self.num_layers)
+
     def mtp_params(self) -> float:
         """Multi-token prediction layers (their output layer shares the main one's weights)."""
         if not self.mtp_num_layers:
             return 0.0
         h = self.hidden_size
-        last_is_moe = self.moe_layer_pattern()[-1]
-        share = self.moe_layer_fraction
-        # one layer of the last layer's kind: the average layer with its MLP swapped
-        mixed_mlp = self.mlp_params()
-        kind_mlp = mixed_mlp
-        if self.is_moe and share not in (0, 1):
-            dense = self._one_mlp_params(self.ffn)
-            moe = (mixed_mlp - (1 - share) * dense) / share
-            kind_mlp = moe if last_is_moe else dense
-        layer = self.layer_params() - mixed_mlp + kind_mlp
-        return self.mtp_num_layers * (layer + 2 * h * h + 3 * h)
+        return self.mtp_num_layers * (self.mtp_layer_model().layer_params() + 2 * h * h + 3 * h)
+
+    def mtp_expert_params(self) -> float:
+        """The routed experts among mtp_params (shared out by expert parallelism)."""
+        if not self.mtp_num_layers:
+            return 0.0
+        return self.mtp_num_layers * self.mtp_layer_model().expert_params()
 
     def total_params(self) -> float:
         output = self.output_params()

@@ -18,7 +18,8 @@ layers) and changes only what a plan decides and Megatron-LM's flags cannot say:
    expert-parallel recipe whose one expert group spans every replica gets equal replicas.
 3. Ranks: logical rank i runs on launch rank world - 1 - i (the launch order reversed), so
    every process group is built from permuted ranks, even where DP = PP = 1 leaves the plan
-   no other freedom (a one-process recipe's plan can vary nothing).
+   no other freedom (a one-process recipe's plan can vary nothing). A recipe that orders its
+   ranks itself (--use-tp-pp-dp-mapping) keeps that order.
 
 The devices are CPU processes on this host. Context parallelism has no axis in a plan (the
 runtime refuses it under any plan), so a CP recipe's plan has TP x PP x DP processes. A
@@ -37,6 +38,7 @@ from hetero.pipeline_layout import SplitFlags
 from hetero.pipeline_layout import megatron_split as pipeline_split
 from hetero.plan import PLAN_VERSION, Plan, expert_parallel_problems
 from hetero.plan_entries import DeviceEntry, ReplicaEntry, StageEntry
+from megatron.hetero.startup import tp_pp_dp_rank_order
 
 from tests.megatron_corpus.scale import Layout
 
@@ -142,8 +144,13 @@ def plan_for(pairs: list[list[str]], argv: list[str], layout: Layout) -> RecipeP
             equal = " (equal: one expert-parallel group spans them)"
         notes.append(f"replicas {'/'.join(map(str, replicas))}{equal}")
     world = layout.tp * layout.cp * layout.pp * layout.dp
+    # The recipe's own rank-order flag decides the order where it gives one (a plan that
+    # disagrees is refused by name, as a user's would be).
+    tp_pp_dp = "--use-tp-pp-dp-mapping" in {p[0] for p in pairs}
     if world == 1:
         notes.append("one process: nothing to vary")
+    elif tp_pp_dp:
+        notes.append("ranks in --use-tp-pp-dp-mapping's order")
     else:
         notes.append("ranks reversed" + ("" if notes else " (DP 1, PP 1: no other freedom)"))
     plan = Plan(
@@ -161,4 +168,6 @@ def plan_for(pairs: list[list[str]], argv: list[str], layout: Layout) -> RecipeP
         expert_tensor_parallel=expert_tp,
         context_parallel=layout.cp,
     )
+    if tp_pp_dp:
+        plan = plan.model_copy(update={"rank_order": tp_pp_dp_rank_order(plan)})
     return RecipePlan(plan, ", ".join(notes))

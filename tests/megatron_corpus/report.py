@@ -276,7 +276,8 @@ def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus]) -> str:
         "layer moved from the first stage to the last where PP > 1 (a split the recipe pins "
         "with its own flags kept), micro-batches shared 2 : 1 : ... : 1 between the replicas "
         "where DP > 1, the rank order reversed (where DP = PP = 1 the plan has no other "
-        "freedom). The plan column says what it changed.")
+        "freedom; a recipe that orders its ranks with --use-tp-pp-dp-mapping keeps its order). "
+        "The plan column says what it changed.")
     lines = [
         "# Megatron-LM's own recipes on Megatron-Hetero",
         "",
