@@ -431,12 +431,13 @@ class Plan(BaseModel):
         return [stage.virtual_stages[chunk] for chunk in range(self.virtual_pipeline_size)
                 for stage in self.stages]
 
-    def pipeline_layout(self) -> list[list[str]]:
+    def pipeline_layout(self, mtp_num_layers: int = 0) -> list[list[str]]:
         """The split in megatron-core's ``pipeline_model_parallel_layout`` form: one entry per
-        (virtual) stage in model order, entry ``v*pp + s`` being chunk v of pipeline rank s."""
+        (virtual) stage in model order, entry ``v*pp + s`` being chunk v of pipeline rank s;
+        multi-token-prediction layers after the last stage's decoder layers, beside the loss."""
         layout = [["decoder"] * n for n in self.virtual_stage_layers()]
         layout[0].insert(0, "embedding")
-        layout[-1].append("loss")
+        layout[-1].extend(["mtp"] * mtp_num_layers + ["loss"])
         return layout
 
     def hosts(self) -> list[tuple[str, list[int]]]:

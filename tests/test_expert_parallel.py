@@ -135,3 +135,11 @@ def test_expert_parallel_jobs_train_as_one_process(tmp_path):
     resumed = run_pretrain(JOB + ["--use-distributed-optimizer", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "2"])
     assert list(resumed.iteration_losses()) == [3]
     _assert_same(reference, resumed)
+    # A checkpoint saved by the non-distributed optimizer under EP 2 cannot move its state to
+    # EP 1: said so, no traceback.
+    saved_plain = run_pretrain(JOB + ["--save", str(tmp_path / "plain"), "--save-interval", "2"],
+                               nproc=4, plan=unequal, tmp_path=tmp_path)
+    assert saved_plain.returncode == 0, saved_plain.output[-3000:]
+    moved = run_pretrain(JOB + ["--load", str(tmp_path / "plain"), "--ckpt-step", "2"])
+    assert moved.returncode != 0 and "Traceback" not in moved.output, moved.output[-3000:]
+    assert "saved with another expert-parallel size" in moved.output and "--no-load-optim" in moved.output

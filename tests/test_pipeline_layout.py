@@ -155,6 +155,8 @@ def test_flags_that_disagree_with_the_plan_name_the_stage(tmp_path):
             "(stages[0].num_layers); drop the flag or regenerate the plan") in str(err.value)
     with pytest.raises(HeteroError, match=r"--pipeline-model-parallel-layout 'Ett\|ttL' asks for 2 layers on stage 0"):
         configure(GPT_MODEL + TRAINING + ["--hetero-plan", plan, "--pipeline-model-parallel-layout", "Ett|ttL"], 2)
+    with pytest.raises(HeteroError, match=r"places 1 multi-token-prediction layers \(m\) and --mtp-num-layers is None"):
+        configure(GPT_MODEL + TRAINING + ["--hetero-plan", plan, "--pipeline-model-parallel-layout", "Et|tttmL"], 2)
     agreeing = configure(GPT_MODEL + TRAINING + ["--hetero-plan", plan, "--decoder-first-pipeline-num-layers", "1",
                                                  "--decoder-last-pipeline-num-layers", "3"], 2)
     assert [s.num_layers for s in agreeing.plan.stages] == [1, 3]

@@ -703,8 +703,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
         unwrap_model(chunk).load_state_dict(loaded[key])
     if restore_optimizer:
         saved_optimizer = loaded["optimizer"]
-        if args.use_distributed_optimizer:  # its param groups, fitted to this run's chaining (moe.py)
-            saved_optimizer = fit_optimizer_state(saved_optimizer, optimizer)
+        # its param groups fitted to this run's chaining (moe.py), or a clear refusal
+        saved_optimizer = fit_optimizer_state(saved_optimizer, optimizer)
         optimizer.load_state_dict(saved_optimizer)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:

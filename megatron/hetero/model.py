@@ -72,11 +72,15 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
     except (ValueError, AssertionError) as error:  # megatron-core's own checks of the flags
         raise HeteroError(f"megatron-core rejects this model's flags: {error}") from None
     _check_runs_without_gpu(config)
-    if config.mtp_num_layers is not None and plan.pipeline_parallel > 1:
-        raise HeteroError("--mtp-num-layers with pipeline parallelism: megatron-core places the "
-                          "multi-token-prediction layers through the pipeline layout, which "
-                          "heterogeneous plans do not give them yet; run them with "
-                          "--pipeline-model-parallel-size 1 (data and tensor parallelism only)")
+    if config.mtp_num_layers and args.position_embedding_type not in ("rope", "none"):
+        raise HeteroError(f"--mtp-num-layers with --position-embedding-type {args.position_embedding_type}: "
+                          "Megatron-LM runs multi-token prediction with rope or none position embeddings "
+                          "only (its validate_args); use --position-embedding-type rope")
+    if config.mtp_num_layers is not None and plan.per_stage_tensor_parallel:
+        raise HeteroError("--mtp-num-layers with a tensor-parallel degree per stage: the last stage's "
+                          "copy of the word embeddings (which the multi-token-prediction layers read) "
+                          "is kept in step with the first stage's only at one degree; give every "
+                          "stage the same tensor-parallel degree (the plan's stages[s].tensor_parallel)")
     return config
 
 
@@ -134,7 +138,8 @@ def _decided_fields(args: argparse.Namespace, plan: Plan) -> dict:
         tensor_model_parallel_size=plan.stage_tensor_parallel[parallel_state.get_pipeline_model_parallel_rank()],
         pipeline_model_parallel_size=plan.pipeline_parallel,
         context_parallel_size=plan.context_parallel,
-        pipeline_model_parallel_layout=plan.pipeline_layout() if plan.pipeline_parallel > 1 else None,
+        pipeline_model_parallel_layout=(plan.pipeline_layout(args.mtp_num_layers or 0)
+                                        if plan.pipeline_parallel > 1 else None),
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=args.bf16,

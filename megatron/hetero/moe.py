@@ -101,16 +101,19 @@ def fit_optimizer_state(state: dict, optimizer) -> dict:
     from megatron.core.optimizer.optimizer import ChainedOptimizer, param_group_identifier_keys
 
     targets = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    wants_chained = len(targets) > 1
+    if any(type(target).__name__ != "DistributedOptimizer" for target in targets):
+        if any(isinstance(key, int) for key in state) == wants_chained:
+            return state  # chained as this run's: megatron-core loads it as it is
+        raise HeteroError(
+            "the checkpoint's optimizer state was saved with another expert-parallel size, and only "
+            "the distributed optimizer's state re-shards across expert-parallel sizes: resume it with "
+            "--no-load-optim (the weights load, the optimizer starts afresh), and train with "
+            "--use-distributed-optimizer to save checkpoints that move")
     entries = [state] + [value for key, value in state.items() if isinstance(key, int)]
     saved = [entry for entry in entries if "optimizer" in entry]
-    wants_chained = len(targets) > 1
     if len(saved) == (len(targets) if wants_chained else 1) and (state is saved[0]) != wants_chained:
         return state  # saved as this run's optimizer is built
-    if any(type(target).__name__ != "DistributedOptimizer" for target in targets):
-        raise HeteroError(
-            "the checkpoint's optimizer state was saved with another expert-parallel size; only the "
-            "distributed optimizer's state re-shards across expert-parallel sizes: resume with "
-            "--use-distributed-optimizer (as the checkpoint was saved), or with --no-load-optim")
     groups = [group for entry in saved for group in entry["optimizer"]["param_groups"]]
     sharding_type = saved[0].get("param_state_sharding_type")
     keys = [key for key in param_group_identifier_keys if key != "is_expert_parallel"]

@@ -520,6 +520,23 @@ def _apply_overlapped_sends_kept() -> object:
     return interleaved_with_sends_finished
 
 
+def _apply_mtp_stage_without_output_weight() -> object:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    original = GPTModel.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        output = getattr(self, "output_layer", None)
+        if (getattr(self, "mtp_process", False) and not self.pre_process and output is not None
+                and self.share_embeddings_and_output_weights and output.weight is not None):
+            output.weight = None  # the tied logits read the stage's copy of the word embeddings
+
+    GPTModel.__init__ = __init__
+    return __init__
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -730,6 +747,21 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_transformer_engine_missing,
         apply=_apply_mla_knows_transformer_engine_missing,
+    ),
+    Patch(
+        name="mtp-stage-without-output-weight",
+        why=(
+            "with tied embeddings, a pipeline stage that runs multi-token-prediction layers but "
+            "not the embedding (the last one) computes its logits, the main loss's and the MTP "
+            "layers', with its copy of the word embeddings, kept in step with the first stage's; "
+            "megatron-core still allocates an output-layer weight there, which nothing reads. "
+            "It is counted in the params norm (one process has no such weight) and breaks the "
+            "checkpoint (megatron-core's sharded_state_dict asserts the stage has no output "
+            "weight). The stage's output layer gets no weight of its own, as megatron-core's "
+            "comments describe"
+        ),
+        needed=lambda: True,
+        apply=_apply_mtp_stage_without_output_weight,
     ),
     Patch(
         name="local-attention-context-parallel",

@@ -43,7 +43,7 @@ import torch
 from hetero.env import Launch
 from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
-from hetero.pipeline_layout import SplitFlags, split_disagreement
+from hetero.pipeline_layout import SplitFlags, parse_layout, split_disagreement
 from hetero.spec.model import ModelSpec
 from megatron.hetero.arguments import (
     apply_plan,
@@ -232,6 +232,13 @@ def flag_giving(parser: argparse.ArgumentParser, field: str, value: Any, run_val
 def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | None]:
     """The plan file, or the uniform plan stock Megatron would run on this launch."""
     split_flags = SplitFlags.of_args(args)  # Megatron-LM's uneven-pipeline flags
+    if split_flags.layout is not None:
+        placed = "".join(parse_layout(split_flags.layout)).count("m")
+        if placed != (args.mtp_num_layers or 0):
+            raise HeteroError(
+                f"--pipeline-model-parallel-layout {split_flags.layout!r} places {placed} multi-token-"
+                f"prediction layers (m) and --mtp-num-layers is {args.mtp_num_layers}: make them agree "
+                "(megatron-core's rule)")
     if args.hetero_plan:
         plan = Plan.load(args.hetero_plan)
         if args.num_layers is None or args.num_layers == plan.num_layers:  # else apply_plan names --num-layers

@@ -76,6 +76,7 @@ from megatron.hetero.model import (
     resolve_transformer_impl,
 )
 from megatron.hetero.moe import MoEMetrics
+from megatron.hetero.mtp import MTPMetrics
 from megatron.hetero.performance import startup_lines as performance_startup_lines
 from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.watchdog import Watchdog
@@ -450,6 +451,7 @@ class Trainer:
         self.exit_requested = exit_requested  # --exit-signal-handler: agreed by all ranks
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         self.schedule, self.timers, self.metrics, self.moe = schedule, timers, metrics, moe
+        self.mtp = MTPMetrics(args) if args.mtp_num_layers is not None else None
         self.spec = model_spec(args)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.forward_backward = get_forward_backward_func()
@@ -686,10 +688,11 @@ class Trainer:
                 TRACE.end(self.ctx.logical_rank, self._trace_facts())
             saved = False
             stats.elapsed += time.perf_counter() - start
-            if self.moe is not None:
-                losses = {**losses, **self.moe.collect(
-                    iteration, self.plan.data_parallel, global_batch_size // self.plan.micro_batch_size,
-                    self.metrics.tensorboard, self.metrics.wandb)}
+            for auxiliary in (self.moe, self.mtp):  # router and multi-token-prediction losses
+                if auxiliary is not None:
+                    losses = {**losses, **auxiliary.collect(
+                        iteration, self.plan.data_parallel, global_batch_size // self.plan.micro_batch_size,
+                        self.metrics.tensorboard, self.metrics.wandb)}
             stats.iterations += 1
             stats.skipped += int(skipped)
             if not skipped:
