@@ -148,3 +148,23 @@ def test_kept_memory_is_not_faulted_in_again(keep, pages):
                           env={**os.environ, KEEP_FREED_MEMORY_ENV: keep}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert pages[0] <= int(done.stdout.split()[-1]) <= pages[1], done.stdout
+
+
+def test_the_last_stage_holds_one_micro_batch_of_logits_however_many_chunks_are_in_flight():
+    """The output layer and loss (and MTP layers) live in the pipeline's last virtual stage,
+    whose backward of a micro-batch follows its forward at once: the interleaved schedule's
+    other chunks in flight add decoder layers' activations, not more logits."""
+    from hetero.predict.memory import rank_memory
+    from hetero.spec.model import PRESETS
+
+    cluster = Cluster.from_dict({"name": "one", "groups": [{"name": "g", "nodes": [
+        {"host": "h0", "device": "H100-80GB", "count": 8, "intra_link": "nvlink4",
+         "nic": {"kind": "ib", "gbps": 400}}]}]})
+    costs = CostModel(cluster, PRESETS["llama2-7b"], TrainingSetup("bf16", virtual_stages=4))
+    placement = dict(vendor="nvidia", tensor_parallel=1, data_parallel=1, micro_batch_size=1,
+                     stage=1, num_stages=2, num_micro_batches=8)
+    logits = costs.model.logits_activation_bytes(1, 1, 2)
+    layer = costs.layer_activation_bytes(1, 1)
+    one, three = (rank_memory(costs, num_layers=4, in_flight=f, **placement).activations for f in (1, 3))
+    assert one == pytest.approx(4 * layer + logits)
+    assert three - one == pytest.approx(2 * 4 * layer)  # no more logits

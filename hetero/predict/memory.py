@@ -137,11 +137,14 @@ def rank_memory(
     if in_flight is None:
         in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
     per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
+    # The output layer, the loss and the MTP layers live in the pipeline's last (virtual) stage,
+    # whose backward of a micro-batch follows its forward at once: one micro-batch's worth,
+    # whatever the stage's other chunks hold.
+    held_once = 0.0
     if last:
-        per_micro_batch += costs.model.logits_activation_bytes(
-            micro_batch_size, tensor_parallel, setup.value_bytes)
+        held_once = costs.model.logits_activation_bytes(micro_batch_size, tensor_parallel, setup.value_bytes)
         if costs.model.mtp_num_layers:  # each MTP layer, and its own output layer and loss
-            per_micro_batch += costs.model.mtp_num_layers * (
+            held_once += costs.model.mtp_num_layers * (
                 costs.mtp_layer_costs().layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
                 + costs.model.logits_activation_bytes(micro_batch_size, tensor_parallel, setup.value_bytes))
     if first:
@@ -155,7 +158,7 @@ def rank_memory(
         weights=params * (setup.value_bytes + (FP8_WEIGHT_COPY_BYTES if setup.fp8_gemms else 0)),
         gradients=params * setup.grad_bytes,
         optimizer=optimizer_state,
-        activations=in_flight * per_micro_batch,
+        activations=in_flight * per_micro_batch + held_once,
         transient=transient,
         overhead=FRAMEWORK_OVERHEAD_GIB.get(vendor, DEFAULT_OVERHEAD_GIB) * GIB,
     )
