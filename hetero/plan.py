@@ -591,6 +591,16 @@ def expert_parallel_problems(stage_tensor_parallel: Sequence[int], replica_micro
     if expert_parallel == 1 and expert_tensor_parallel is None:
         return []
     problems = []
+    copies = [tp * context_parallel * data_parallel // (expert_parallel * (expert_tensor_parallel or tp))
+              for tp in stage_tensor_parallel]
+    if len(set(copies)) > 1:
+        # megatron-core's expert optimizer reduces over one expert grid through the pipeline
+        # (its expert tensor-model-pipeline group): one copy of each stage's experts per group.
+        problems.append(
+            f"expert_tensor_parallel {expert_tensor_parallel} with tensor_parallel {list(stage_tensor_parallel)} "
+            f"per stage gives the stages {copies} copies of their experts, which megatron-core's expert "
+            "groups through the pipeline cannot pair; leave expert_tensor_parallel unset (each stage "
+            "splits its experts as its tensor-parallel degree) or give every stage one degree")
     for pp_rank, tensor_parallel in enumerate(stage_tensor_parallel):
         etp = expert_tensor_parallel or tensor_parallel
         per_replica = tensor_parallel * context_parallel  # a replica's ranks in the stage

@@ -53,9 +53,16 @@ def model_problems(plan: Plan, model: ModelSpec) -> list[str]:
             if value is not None and value % tp:
                 problems.append(f"{name} {value} is not divisible by the tensor-parallel size {tp}{where}; "
                                 f"plan with degrees that divide it (hetero-plan --tensor-parallel ...) or change the model")
-    if plan.per_stage_tensor_parallel and model.num_experts is not None:
-        problems.append("--num-experts with a tensor-parallel degree per stage: expert groups are built "
-                        "from one grid in megatron-core; give every stage the same degree")
+    if model.num_experts is not None:
+        for etp in sorted({plan.stage_expert_tensor_parallel(s) for s in range(plan.pipeline_parallel)}):
+            if model.moe_ffn_hidden_size % etp:
+                problems.append(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by the expert "
+                                f"tensor-parallel size {etp}; plan with an expert tensor-parallel degree that "
+                                "divides it (--expert-tensor-parallel-size) or change the model")
+    if plan.per_stage_tensor_parallel and model.mtp_num_layers:
+        problems.append("--mtp-num-layers with a tensor-parallel degree per stage: the last stage's copy of "
+                        "the word embeddings, which the multi-token-prediction layers read, is kept in step "
+                        "with the first stage's only at one degree; give every stage the same degree")
     return problems
 
 

@@ -143,3 +143,37 @@ def test_expert_parallel_jobs_train_as_one_process(tmp_path):
     moved = run_pretrain(JOB + ["--load", str(tmp_path / "plain"), "--ckpt-step", "2"])
     assert moved.returncode != 0 and "Traceback" not in moved.output, moved.output[-3000:]
     assert "saved with another expert-parallel size" in moved.output and "--no-load-optim" in moved.output
+
+
+def test_stages_of_different_degrees_must_hold_as_many_copies_of_their_experts():
+    """Each stage lays its expert grid over its own ranks; megatron-core's expert optimizer
+    pairs one copy of every stage's experts through the pipeline, so the copies must agree."""
+    fields = dict(tp=2, pp=2, dp=2, stages=[1, 3], replicas=[4, 4], rank_order=list(range(6)), stage_tp=[2, 1])
+    following = _plan(**fields, expert_parallel=2)  # expert TP = each stage's degree: 1 copy each
+    assert [following.stage_expert_data_parallel(s) for s in (0, 1)] == [1, 1]
+    with pytest.raises(PlanError, match=r"gives the stages \[2, 1\] copies of their experts.*leave "
+                                        r"expert_tensor_parallel unset"):
+        _plan(**fields, expert_parallel=2, expert_tensor_parallel=1)
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_a_degree_per_stage_trains_as_one_process(tmp_path):
+    """EP 2 on stages of TP 2 and TP 1 (each stage's experts split as its degree: expert TP 2,
+    then 1), uneven stages, permuted ranks, sequence parallelism, the distributed optimizer;
+    its checkpoint resumed by one process. And EP 2 x expert TP 2 on one degree, whose
+    dispatcher gathers unequal token counts over the expert tensor group."""
+    job = JOB + ["--sequence-parallel", "--use-distributed-optimizer"]
+    reference = run_pretrain(job)
+    assert reference.returncode == 0, reference.output[-3000:]
+    plan = make_plan(tp=2, pp=2, dp=2, stages=[1, 3], replicas=[4, 4], rank_order=[5, 3, 1, 4, 2, 0], stage_tp=[2, 1])
+    plan["expert_parallel"] = 2
+    staged = run_pretrain(job + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"], nproc=6,
+                          plan=plan, tmp_path=tmp_path)
+    _assert_same(reference, staged)
+    assert "TP=[2,1] EP=2 ETP=[2,1]" in staged.output, staged.output[-3000:]
+    resumed = run_pretrain(job + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "2"])
+    assert list(resumed.iteration_losses()) == [3]
+    _assert_same(reference, resumed)
+    wide = make_plan(tp=2, pp=1, dp=2, stages=[4], replicas=[4, 4], rank_order=[3, 1, 2, 0])
+    wide.update(expert_parallel=2, expert_tensor_parallel=2)
+    _assert_same(reference, run_pretrain(job, nproc=4, plan=wide, tmp_path=tmp_path))

@@ -99,8 +99,9 @@ class Planner:
                     if len(usable) > 1:  # on one class the other families are the same plans
                         found.extend(families.cross_class(tp, mbs, usable))
                         found.extend(families.launch_order(tp, mbs, usable))
-        # A mixture of experts takes one degree for every stage: megatron-core builds its expert
-        # groups from one grid (hetero/runtime_rules.py refuses a degree per stage with experts).
+        # A mixture of experts takes one degree for every stage: the runtime trains a degree per
+        # stage only where every stage holds as many copies of its experts (expert TP following
+        # each stage's degree), which the search's expert grid (expert TP 1 at EP > 1) is not.
         if options.per_stage_tensor_parallel and len(everyone) > 1 and not self.model.is_moe:
             for mbs in sizes:
                 if self.global_batch_size % mbs:

@@ -747,17 +747,18 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
             "model it was made for, or regenerate it with hetero-plan --model ... --precision ..."
         )
     check_precision_supported(args, plan)
-    check_per_stage_tensor_parallel(args, plan)
+    check_moe_sequence_parallel(args, plan)
 
 
-def check_per_stage_tensor_parallel(args: argparse.Namespace, plan: Plan) -> None:
-    """What a plan whose stages differ in tensor-parallel degree cannot do (yet), refused on
-    every rank alike before any process group exists."""
-    if not plan.per_stage_tensor_parallel:
-        return
-    if args.num_experts is not None:
-        raise HeteroError("--num-experts with a tensor-parallel degree per stage: expert groups are built "
-                          "from one grid in megatron-core; give every stage the same degree")
+def check_moe_sequence_parallel(args: argparse.Namespace, plan: Plan) -> None:
+    """megatron-core's MoE layer refuses to train under tensor parallelism without sequence
+    parallelism (a ValueError in its first forward): said here, on every rank alike, before
+    any process group exists."""
+    if args.num_experts is not None and plan.max_tensor_parallel > 1 and not args.sequence_parallel:
+        stages = f" (stage degrees {plan.stage_tensor_parallel})" if plan.per_stage_tensor_parallel else ""
+        raise HeteroError(f"--num-experts with tensor parallelism {plan.max_tensor_parallel}{stages} needs "
+                          "--sequence-parallel: megatron-core's MoE layer does not train without it; add "
+                          "--sequence-parallel")
 
 
 def check_precision_supported(args: argparse.Namespace, plan: Plan) -> None:

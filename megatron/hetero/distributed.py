@@ -329,7 +329,8 @@ def initialize(
         # The groups come from the plan's grid (patch parallel-state-groups-from-per-stage-grid);
         # sizes of 1 only keep megatron-core's divisibility checks of one grid quiet.
         stage_tensor_parallel.use_plan_grid(plan, sequence_parallel)
-        parallel_state.initialize_model_parallel(distributed_timeout_minutes=minutes, **(group_options or {}))
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=plan.expert_parallel,
+                                                 distributed_timeout_minutes=minutes, **(group_options or {}))
         stage_tensor_parallel.finish_plan_grid(timeout)
     else:
         parallel_state.initialize_model_parallel(

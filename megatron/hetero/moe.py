@@ -22,6 +22,7 @@ import argparse
 
 from hetero.errors import HeteroError
 
+from megatron.hetero import stage_tensor_parallel
 from megatron.hetero.patches import import_megatron_core
 
 import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
@@ -54,8 +55,11 @@ class MoEMetrics:
     def collect(self, iteration: int, data_parallel_size: int, total_micro_batches: int,
                 tensorboard=None, wandb=None) -> dict[str, float]:
         totals: dict = {}
+        scale = data_parallel_size / total_micro_batches
+        if stage_tensor_parallel.active_plan() is not None:
+            return self._collect_on_plan_grid(scale, iteration, tensorboard, wandb)
         track_moe_metrics(
-            loss_scale=data_parallel_size / total_micro_batches,
+            loss_scale=scale,
             iteration=iteration,
             writer=tensorboard,
             wandb_writer=wandb,
@@ -70,6 +74,57 @@ class MoEMetrics:
             mtp_num_layers=getattr(self.args, "mtp_num_layers", None),
         )
         return {name: float(value) for name, value in totals.items()}
+
+    def _collect_on_plan_grid(self, scale: float, iteration: int, tensorboard, wandb) -> dict[str, float]:
+        """track_moe_metrics' value of each loss (the mean over the MoE layers, the MTP layers
+        included), reduced by _reduce_on_plan_grid."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        _reduce_on_plan_grid(self.names, self.args.num_layers, stage_tensor_parallel.active_plan())
+        frequency = getattr(self.args, "moe_layer_freq", 1) or 1
+        moe_layers = (sum(frequency) if isinstance(frequency, list)
+                      else len(range(0, self.args.num_layers, frequency))) + (self.args.mtp_num_layers or 0)
+        tracker = get_moe_layer_wise_logging_tracker()
+        totals = {name: float(tracker[name]["values"].float().sum()) * scale / moe_layers for name in self.names}
+        for name, value in totals.items():
+            if tensorboard is not None:
+                tensorboard.add_scalar(name, value, iteration)
+            if wandb is not None:
+                wandb.log({name: value}, iteration)
+        clear_aux_losses_tracker()
+        return totals
+
+
+def _reduce_on_plan_grid(names: list[str], num_layers: int, plan) -> None:
+    """megatron-core's reduction of the router losses (track_moe_metrics) on a grid whose
+    stages differ in tensor-parallel degree: there pipeline groups overlap, so the sum over
+    the stages cannot run on them. Each stage first reduces its own layers over its own groups
+    as megatron-core does (reduce_group, then the data-parallel average; avg_group), which
+    leaves every rank of a stage the same values; the replica's model-parallel group then adds
+    the stages, each rank's values weighted by 1 / its stage's degree."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    degree = plan.stage_tensor_parallel[plan.coords(dist.get_rank()).pp_rank]
+    data_group = ps.get_data_parallel_group(with_context_parallel=False)
+    for name in names:
+        entry = tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device),
+                                          "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False})
+        values = entry["values"]
+        if entry.get("reduce_group") is not None:
+            dist.all_reduce(values, group=entry["reduce_group"])
+            if not entry.get("reduce_group_has_dp", False):
+                dist.all_reduce(values, group=data_group, op=dist.ReduceOp.AVG)
+        if entry.get("avg_group") is not None:
+            dist.all_reduce(values, group=entry["avg_group"], op=dist.ReduceOp.AVG)
+        values /= degree
+        dist.all_reduce(values, group=ps.get_model_parallel_group())
+        entry["reduce_group"] = entry["avg_group"] = None
 
 
 def host_split_sizes(move_to_cpu):

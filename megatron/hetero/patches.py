@@ -537,6 +537,38 @@ def _apply_mtp_stage_without_output_weight() -> object:
     return __init__
 
 
+def _apply_uneven_sequence_gather_on_gloo() -> object:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        # Every rank's rows padded to the longest, gathered equal, the padding dropped.
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([piece[:rows] for piece, rows in zip(pieces, output_split_sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        # The same sums, all of them, then this rank's rows.
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+    return gather_along_first_dim
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -747,6 +779,20 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_transformer_engine_missing,
         apply=_apply_mla_knows_transformer_engine_missing,
+    ),
+    Patch(
+        name="uneven-sequence-gather-on-gloo",
+        why=(
+            "with expert tensor parallelism (--expert-tensor-parallel-size > 1) the all-to-all "
+            "dispatcher gathers each expert tensor rank's routed tokens, a different count on "
+            "each, with torch.distributed.all_gather of unequal tensors (and reduce-scatters them "
+            "back unequally); NCCL takes that, gloo (CPU processes) refuses unequal sizes, and the "
+            "run crashed. Without a GPU the rows are padded to the longest, gathered, and the "
+            "padding dropped; the way back all-reduces the whole tensor and keeps this rank's rows "
+            "(the same sums)"
+        ),
+        needed=_no_gpu,
+        apply=_apply_uneven_sequence_gather_on_gloo,
     ),
     Patch(
         name="mtp-stage-without-output-weight",

@@ -78,13 +78,43 @@ def rank_groups(plan: Plan, token: str) -> list[list[int]]:
     return list(groups.values())
 
 
+def expert_rank_groups(plan: Plan, token: str) -> list[list[int]]:
+    """megatron-core's expert group lists for one token, from the plan's per-stage expert grids
+    (Plan.expert_groups and its kin: each stage's ranks split into expert tensor x expert
+    model x expert data blocks). Across the pipeline ("tp-ep-pp") a group joins the ranks
+    of one expert data-parallel index of every stage, which needs every stage to hold as
+    many copies of its experts (hetero.plan.expert_parallel_problems checks it)."""
+    stages = range(plan.pipeline_parallel)
+    if token == "ep":
+        return [group for s in stages for group in plan.expert_groups(s)]
+    if token == "tp":
+        return [group for s in stages for group in plan.expert_tensor_groups(s)]
+    if token == "dp":
+        return [group for s in stages for group in plan.expert_data_groups(s)]
+    if token == "pp":
+        return rank_groups(plan, "pp")
+
+    def block(s: int, d: int) -> list[int]:  # stage s's expert model-parallel ranks of copy d
+        return [plan.expert_rank_at(t, e, d, s) for e in range(plan.expert_parallel)
+                for t in range(plan.stage_expert_tensor_parallel(s))]
+
+    if token == "tp-ep":
+        return [block(s, d) for s in stages for d in range(plan.stage_expert_data_parallel(s))]
+    if token == "tp-ep-pp":
+        return [[rank for s in stages for rank in block(s, d)] for d in range(plan.stage_expert_data_parallel(0))]
+    raise ValueError(f"no expert group {token!r} is defined when stages differ in tensor-parallel degree")
+
+
 def plan_rank_generator(original: type) -> type:
-    """megatron-core's RankGenerator, answering from the installed plan's grid when one is."""
+    """megatron-core's RankGenerator, answering from the installed plan's grid when one is
+    (its expert generator, the one with expert parallelism, from the plan's expert grids)."""
 
     class PlanRankGenerator(original):
         def get_ranks(self, token):
             if _plan is None:
                 return super().get_ranks(token)
+            if self.ep > 1:
+                return expert_rank_groups(_plan, token)
             return rank_groups(_plan, token)
 
     PlanRankGenerator.__name__ = PlanRankGenerator.__qualname__ = "PlanRankGenerator"
