@@ -189,3 +189,20 @@ def test_resume_under_other_stage_degrees_continues_the_same_training(tmp_path, 
     assert sorted(got) == [4, 5, 6]
     for i, loss in got.items():
         assert abs(loss - reference[i - 1]) <= 1e-4 * reference[i - 1], (i, loss, reference)
+
+
+def test_start_up_refuses_what_a_degree_per_stage_cannot_run(tmp_path):
+    """Said before any process group exists, with the fix: multi-token prediction (its copy
+    of the word embeddings on the last stage is kept in step at one degree only), and a
+    mixture of experts under tensor parallelism without sequence parallelism."""
+    from hetero.errors import HeteroError
+    from megatron.hetero.startup import configure
+
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(make_plan(1, 2, 1, [2, 2], [8], [0, 1, 2], stage_tp=[2, 1])))
+    rope = ["--position-embedding-type", "rope"]
+    with pytest.raises(HeteroError, match="--mtp-num-layers with a tensor-parallel degree per stage"):
+        configure(GPT_MODEL + TRAINING + rope + ["--mtp-num-layers", "1", "--hetero-plan", str(path)], 3)
+    with pytest.raises(HeteroError, match=r"--num-experts with tensor parallelism 2 \(stage degrees \[2, 1\]\) "
+                                          r"needs --sequence-parallel"):
+        configure(GPT_MODEL + TRAINING + ["--num-experts", "2", "--hetero-plan", str(path)], 3)

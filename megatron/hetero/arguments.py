@@ -24,7 +24,7 @@ from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
-from hetero.runtime_rules import precision_problems
+from hetero.runtime_rules import model_problems, precision_problems
 from megatron.hetero import flags
 from megatron.hetero.problems import Problems
 
@@ -748,6 +748,9 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
         )
     check_precision_supported(args, plan)
     check_moe_sequence_parallel(args, plan)
+    problems = model_problems(plan, ours if plan.model is not None else ModelSpec.from_megatron_args(args))
+    if problems:  # the same checks hetero-plan runs before it writes a plan
+        raise HeteroError("; ".join(problems))
 
 
 def check_moe_sequence_parallel(args: argparse.Namespace, plan: Plan) -> None:

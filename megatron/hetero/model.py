@@ -76,11 +76,6 @@ def transformer_config(args: argparse.Namespace, plan: Plan) -> TransformerConfi
         raise HeteroError(f"--mtp-num-layers with --position-embedding-type {args.position_embedding_type}: "
                           "Megatron-LM runs multi-token prediction with rope or none position embeddings "
                           "only (its validate_args); use --position-embedding-type rope")
-    if config.mtp_num_layers is not None and plan.per_stage_tensor_parallel:
-        raise HeteroError("--mtp-num-layers with a tensor-parallel degree per stage: the last stage's "
-                          "copy of the word embeddings (which the multi-token-prediction layers read) "
-                          "is kept in step with the first stage's only at one degree; give every "
-                          "stage the same tensor-parallel degree (the plan's stages[s].tensor_parallel)")
     return config
 
 
