@@ -264,7 +264,7 @@ def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus]) -> str:
         f"and its GPT/Llama/Mixtral example launch scripts: {len(found)} recipes "
         "(tests/megatron_corpus/). Each runs unchanged but for one scale-down rule "
         "(tests/megatron_corpus/scale.py: sizes, length, data and paths), at its own "
-        "parallel layout (TP x PP x CP x DP processes: DP = EP where experts are spread, twice that where the model-parallel ranks are 2 or fewer, as Megatron-LM's 8-GPU CI runs them data-parallel), on CPU "
+        "parallel layout (TP x PP x CP x DP processes: DP = EP where experts are spread over data-parallel ranks (1 where a replica's TP x CP ranks hold EP x expert TP), twice that where the model-parallel ranks are 2 or fewer, as Megatron-LM's 8-GPU CI runs them data-parallel), on CPU "
         "processes: GPU-only kernel choices run as their CPU equivalents, listed in one "
         "start-up note (docs/compatibility.md). A checkpoint-resume recipe runs its first "
         "training (3 iterations, saved at the end), not Megatron-LM's second, resuming run.")

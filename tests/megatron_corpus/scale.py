@@ -54,6 +54,7 @@ class Layout:
     ep: int
     virtual: int  # model chunks a pipeline rank holds
     group: int | None = None  # --microbatch-group-size-per-virtual-pipeline-stage
+    etp: int | None = None  # --expert-tensor-parallel-size (None: TP)
 
     @property
     def replica_unit(self) -> int:
@@ -68,7 +69,11 @@ class Layout:
     @property
     def dp(self) -> int:
         # Megatron-LM's CI runs these recipes on 8 GPUs, so data parallelism is part of their
-        # layout; kept (at 2) where the launch stays at 4 processes or fewer.
+        # layout; kept (at 2) where the launch stays at 4 processes or fewer. Experts spread
+        # over EP x ETP ranks: over data-parallel ranks, unless a replica's TP x CP ranks hold
+        # the whole expert grid (TP 4 with EP 2 x ETP 2 runs on 8 GPUs at PP 2).
+        if self.ep > 1 and (self.tp * self.cp) % (self.ep * (self.etp or self.tp)) == 0:
+            return 2 if self.tp * self.pp * self.cp <= 2 else 1
         model_parallel = self.tp * self.pp * self.cp * max(1, self.ep)
         return max(1, self.ep) * (2 if model_parallel <= 2 else 1)
 
@@ -111,7 +116,8 @@ def layout_of(pairs: list[list[str]]) -> Layout:
     group = _int(flags, "--microbatch-group-size-per-virtual-pipeline-stage", 0) or None
     return Layout(tp=_int(flags, "--tensor-model-parallel-size", 1), pp=pp,
                   cp=_int(flags, "--context-parallel-size", 1),
-                  ep=_int(flags, "--expert-model-parallel-size", 1), virtual=virtual, group=group)
+                  ep=_int(flags, "--expert-model-parallel-size", 1), virtual=virtual, group=group,
+                  etp=_int(flags, "--expert-tensor-parallel-size", 0) or None)
 
 
 def _num_layers(flags: dict[str, str | None], lay: Layout) -> int:
