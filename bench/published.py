@@ -22,6 +22,8 @@ exactly that configuration.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,7 +319,47 @@ def compare_moe() -> list[dict]:
     return results
 
 
+@contextlib.contextmanager
+def moe_forward_added(extra_s: float):
+    """What if every MoE layer's forward took extra_s more per micro-batch (the host-side
+    time the cost model does not price: the wait for the token counts and the launches after
+    it)? A question asked of the model, not a term of it: it adds to the MoE layer's kernel
+    gaps while the block runs."""
+    from hetero.predict import costs
+
+    original = costs.moe_kernel_gaps_s
+
+    def with_extra(local_experts: float) -> tuple[float, float]:
+        forward, backward = original(local_experts)
+        return forward + extra_s, backward
+
+    costs.moe_kernel_gaps_s = with_extra
+    try:
+        yield
+    finally:
+        costs.moe_kernel_gaps_s = original
+
+
+def what_if(added_ms: list[float]) -> None:
+    """The MoE table's errors with each added forward time (--moe-forward-ms)."""
+    rows = [row for row in MOE_TABLE if not row.not_compared]
+    print("| added per MoE layer forward | " + " | ".join(f"{r.name} {r.source.split(', ')[1]}" for r in rows) + " |")
+    print("|---:|" + "---:|" * len(rows))
+    for ms in added_ms:
+        with moe_forward_added(ms / 1000):
+            errors = [predict_moe_row(r).iteration_time_s / r.published_iteration_s(4096) - 1 for r in rows]
+        print(f"| {ms:g} ms | " + " | ".join(f"{e:+.1%}" for e in errors) + " |")
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--moe-forward-ms", type=float, nargs="+", metavar="MS",
+                        help="only the MoE table's errors, with this much added to every MoE layer's "
+                             "forward per micro-batch (a what-if for the unpriced host-side time)")
+    args = parser.parse_args()
+    if args.moe_forward_ms:
+        what_if(args.moe_forward_ms)
+        return 0
     results = compare()
     print("| row | published s/iter | predicted s/iter | error | predicted peak memory |")
     print("|---|---:|---:|---:|---:|")
