@@ -727,8 +727,8 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
     defaults are filled in on both sides, except the vocabulary: the tokenizer pads it
     later, and the training start compares the padded size with the plan's."""
     wrong = []
+    ours = ModelSpec.from_megatron_args(args)
     if plan.model is not None:
-        ours = ModelSpec.from_megatron_args(args)
         wrong = [f"{name}: plan {planned_value!r}, flags {flag_value!r}"
                  for name, planned_value, flag_value in plan.model.spec().differences(ours, skip=("vocab_size",))]
     training = plan.training
@@ -748,7 +748,7 @@ def check_plan_model(args: argparse.Namespace, plan: Plan) -> None:
         )
     check_precision_supported(args, plan)
     check_moe_sequence_parallel(args, plan)
-    problems = model_problems(plan, ours if plan.model is not None else ModelSpec.from_megatron_args(args))
+    problems = model_problems(plan, ours)
     if problems:  # the same checks hetero-plan runs before it writes a plan
         raise HeteroError("; ".join(problems))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from hetero.errors import HeteroError
+from hetero.spec.model import ModelSpec
 
 from megatron.hetero import stage_tensor_parallel
 from megatron.hetero.patches import import_megatron_core
@@ -51,6 +52,8 @@ class MoEMetrics:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.names = tracked_losses(args)
+        # track_moe_metrics' divisor: the MoE layers of the pattern, the MTP layers included
+        self.moe_layers = sum(ModelSpec.from_megatron_args(args).moe_layer_pattern()) + (args.mtp_num_layers or 0)
 
     def collect(self, iteration: int, data_parallel_size: int, total_micro_batches: int,
                 tensorboard=None, wandb=None) -> dict[str, float]:
@@ -81,11 +84,8 @@ class MoEMetrics:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
         _reduce_on_plan_grid(self.names, self.args.num_layers, stage_tensor_parallel.active_plan())
-        frequency = getattr(self.args, "moe_layer_freq", 1) or 1
-        moe_layers = (sum(frequency) if isinstance(frequency, list)
-                      else len(range(0, self.args.num_layers, frequency))) + (self.args.mtp_num_layers or 0)
         tracker = get_moe_layer_wise_logging_tracker()
-        totals = {name: float(tracker[name]["values"].float().sum()) * scale / moe_layers for name in self.names}
+        totals = {name: float(tracker[name]["values"].float().sum()) * scale / self.moe_layers for name in self.names}
         for name, value in totals.items():
             if tensorboard is not None:
                 tensorboard.add_scalar(name, value, iteration)
