@@ -18,6 +18,8 @@
    (TP=2 inside a node, with TP=2 profiles), both together, a degree per stage (1/2/1,
    plan version 3), and the planner's own pick.
 5. timeline.png: a measured iteration of the planner's plan above its prediction.
+6. Interleaved 1F1B (--only interleaved; the demo's model and set-up, on cpu_demo.yaml): the
+   interleaved plan the demo picked, against the same plan without virtual stages.
 
 Each cluster is profiled once before its runs (compute and links): the planner plans with
 that. The VM's speed drifts by 10-25% over tens of minutes (one plan measured 2.39 s and,
@@ -51,7 +53,8 @@ sys.path.insert(0, str(REPO))
 
 from hetero.search.baseline import megatron_baseline  # noqa: E402
 from hetero.spec.cluster import Cluster  # noqa: E402
-from hetero.predict.costs import CostModel, TrainingSetup  # noqa: E402
+from hetero.predict.costs import CostModel  # noqa: E402
+from hetero.predict.training_setup import TrainingSetup  # noqa: E402
 from hetero.io import write_json_atomic
 from hetero.plan import Plan  # noqa: E402
 from hetero.search.options import PlannerOptions  # noqa: E402
@@ -61,6 +64,7 @@ from hetero.predict.predictor import Prediction, predict  # noqa: E402
 from hetero.spec.profiles import Profiles  # noqa: E402
 from hetero.events import Memory, of_kind  # noqa: E402
 from hetero.report import measured_timeline_png  # noqa: E402
+from emulated_report import report  # noqa: E402  (bench/ is this script's folder)
 from tools.emulator import EmulatedCluster, JobResult, RankLayout, stop_on_termination_signals  # noqa: E402
 from tools.emulator.cluster import KEEP_FREED_MEMORY_ENV  # noqa: E402
 
@@ -70,22 +74,32 @@ MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-hea
                "--attention-dropout", "0", "--hidden-dropout", "0"]
 DATA_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0"]
 SETUP = TrainingSetup("fp32", distributed_optimizer=False, fused_kernels=False, dropout=False)
+# The demo's model and set-up (examples/run_demo.sh): the interleaved scenario's.
+DEMO_MODEL_FLAGS = ["--num-layers", "6", "--hidden-size", "128", "--ffn-hidden-size", "352",
+                    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
+                    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--seq-length", "128",
+                    "--max-position-embeddings", "128", "--vocab-size", "2047", "--attention-dropout", "0",
+                    "--hidden-dropout", "0"]
+DEMO_SETUP = TrainingSetup("fp32", fused_kernels=False, dropout=False)
 OPTIONS = PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1, 2, 4), setup=SETUP)
 WARMUP_ITERATIONS = 2
 BRACKET_REPEATS = 8  # timed rounds of a bracketing profile (the cluster's profile takes 16)
 MEMORY_RUN_ENV = {KEEP_FREED_MEMORY_ENV: "0"}  # freed memory returned: the peak is the job's own
 
 
-def model_spec():
+def model_spec(model_flags: list[str]):
     from megatron.hetero.startup import model_spec_of_flags
 
-    return model_spec_of_flags(MODEL_FLAGS + DATA_FLAGS)
+    return model_spec_of_flags(model_flags + DATA_FLAGS)
 
 
 class Bench:
-    def __init__(self, out: Path, iterations: int, repeats: int = 3, max_plans: int | None = None):
+    def __init__(self, out: Path, iterations: int, repeats: int = 3, max_plans: int | None = None,
+                 model_flags: list[str] = MODEL_FLAGS, setup: TrainingSetup = SETUP):
         self.out, self.iterations, self.repeats, self.max_plans = out, iterations, repeats, max_plans
-        self.spec = model_spec()
+        self.model_flags, self.setup = model_flags, setup
+        self.spec = model_spec(model_flags)
         self.results: dict = {"predictor": [], "quality": {}, "nic": {}}
 
     def log(self, message: str) -> None:
@@ -130,7 +144,7 @@ class Bench:
         self.run(self.emulator(cluster, RankLayout.of_cluster(cluster), like),
                  ["-m", "megatron.hetero.profiling.compute", "-o", str(directory), "--micro-batch-sizes",
                   *map(str, micro_batch_sizes), "--tensor-parallel", *map(str, tensor_parallel), *rounds, "--",
-                  *MODEL_FLAGS, *DATA_FLAGS],
+                  *self.model_flags, *DATA_FLAGS],
                  "compute profile")
         return Profiles.load_dir(directory)
 
@@ -144,7 +158,7 @@ class Bench:
         path = self.out / name / "plan.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(path)
-        argv = ["pretrain_gpt.py", "--hetero-plan", str(path), *MODEL_FLAGS, *DATA_FLAGS,
+        argv = ["pretrain_gpt.py", "--hetero-plan", str(path), *self.model_flags, *DATA_FLAGS,
                 "--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
                 "--train-iters", str(self.iterations), "--lr", "1e-4", "--log-interval", "1",
                 "--log-memory-interval", str(self.iterations), "--eval-iters", "0"]
@@ -158,7 +172,7 @@ class Bench:
         # iteration's comes before the optimizer state exists).
         for memory in of_kind(memory_run.events, Memory):
             if memory.iteration == self.iterations:  # the peak of a stage's ranks
-                stage_memory.setdefault(plan.coords(memory.logical_rank).pp_rank, []).append(
+                stage_memory.setdefault(plan.grid.coords(memory.logical_rank).pp_rank, []).append(
                     memory.peak_mb * 2**20)
         passes = [self.bracket(self.out / name / "profile-before", cluster, plan, like)] if bracketed else []
         runs, times = [], []
@@ -183,8 +197,8 @@ class Bench:
         measured = self.measure(f"{cluster_name}/{slug(label)}", cluster, plan, like, trace_dir, bracketed=True)
         before, after = measured["bracket"]
         around = Profiles(before.with_compute_passes(after).compute, profiles.link_profiles)
-        prediction = predict(plan, cluster, CostModel(cluster, self.spec, SETUP, around))
-        from_cluster_profile = predict(plan, cluster, CostModel(cluster, self.spec, SETUP, profiles))
+        prediction = predict(plan, cluster, CostModel(cluster, self.spec, self.setup, around))
+        from_cluster_profile = predict(plan, cluster, CostModel(cluster, self.spec, self.setup, profiles))
         predicted_memory = {r.slot.stage: r.memory.total for r in prediction.reports if r.slot.replica == 0}
         iteration = measured["iteration_s"]
         row = {"cluster": cluster_name, "plan": label, "layout": describe(plan), "measured_s": iteration,
@@ -292,11 +306,7 @@ class Bench:
         """Uneven pipelines with unequal replicas, TP=2, both, and the planner's pick."""
         cluster = Cluster.load(CLUSTERS / "cpu_demo.yaml")
         profiles, like = self.profile("shapes", cluster, tensor_parallel=(1, 2), micro_batch_sizes=(1, 2))
-        devices = [d.model_dump() for d in Plan.uniform(
-            tensor_parallel=1, pipeline_parallel=1, data_parallel=4, micro_batch_size=1,
-            num_layers=self.spec.num_layers, global_batch_size=4,
-            devices=[{"host": n.host, "device_type": n.device.name, "vendor": n.device.vendor, "nic": n.nic.kind.name}
-                     for n in cluster.nodes for _ in range(n.count)]).devices]
+        devices = plan_devices(cluster, self.spec.num_layers)
         layers = self.spec.num_layers
         fast_share = max(1, round(global_batch * 2 / 3))
 
@@ -322,6 +332,43 @@ class Bench:
         shapes.append(("planner (TP 1 or 2)", picked))
         for label, shape in shapes[: self.max_plans]:
             self.compare("shapes", label, cluster, shape, like, profiles)
+
+
+    def interleaved_cluster(self, global_batch: int) -> None:
+        """The plan hetero-plan picked for the demo's model on a quiet machine while the
+        predictor still timed interleaving as a plain 1F1B over chunks (its prediction 22.6%
+        fast): PP2 x DP2, the slow node's stage first with 1 + 1 layers, the fast node's with
+        2 + 2; and the same plan without virtual stages. Run one after the other, each
+        predicted from its own bracketing profiles."""
+        cluster = Cluster.load(CLUSTERS / "cpu_demo.yaml")
+        profiles, like = self.profile("interleaved", cluster, micro_batch_sizes=(2,))
+        devices = plan_devices(cluster, self.spec.num_layers)
+
+        def plan(chunked: bool) -> Plan:
+            stages = [{"num_layers": n, **({"virtual_stages": [n // 2] * 2} if chunked else {})} for n in (2, 4)]
+            return Plan.from_dict({"version": 2, "tensor_parallel": 1, "pipeline_parallel": 2, "data_parallel": 2,
+                                   "micro_batch_size": 2, "stages": stages,
+                                   "replicas": [{"num_micro_batches": global_batch // 4}] * 2,
+                                   "rank_order": [2, 3, 0, 1],  # stage 0 on the slow node (launch ranks 2, 3)
+                                   "devices": devices})
+
+        rows = {}
+        for chunked, label in ((True, "PP2 x DP2, 2 virtual stages"), (False, "the same, plain 1F1B")):
+            rows[chunked], _ = self.compare("interleaved", label, cluster, plan(chunked), like, profiles)
+        self.results["interleaved"] = {
+            "measured_speedup": rows[False]["measured_s"] / rows[True]["measured_s"],
+            "predicted_speedup": rows[False]["predicted_s"] / rows[True]["predicted_s"],
+            "errors": {"interleaved": rows[True]["time_error"], "plain": rows[False]["time_error"]}}
+        self.save()
+
+
+def plan_devices(cluster: Cluster, num_layers: int) -> list[dict]:
+    """The cluster's devices as a plan lists them, in launch order."""
+    return [d.model_dump() for d in Plan.uniform(
+        tensor_parallel=1, pipeline_parallel=1, data_parallel=cluster.num_devices, micro_batch_size=1,
+        num_layers=num_layers, global_batch_size=cluster.num_devices,
+        devices=[{"host": n.host, "device_type": n.device.name, "vendor": n.device.vendor, "nic": n.nic.kind.name}
+                 for n in cluster.nodes for _ in range(n.count)]).devices]
 
 
 def per_stage_plan(layers: int, global_batch: int, devices: list[dict]) -> Plan:
@@ -358,57 +405,6 @@ def load_traces(directory: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("trace-rank*.json"))]
 
 
-def report(results: dict) -> str:
-    rows = results["predictor"]
-    lines = ["## Predictor vs measured (emulated clusters, profiles taken on them)", "",
-             "Predicted with the median of two short compute profiles of the plan's cases, taken "
-             "right before and right after its timed runs (links from the cluster's profile); the "
-             "last column predicts from the cluster's profile taken before all its runs, which the "
-             "planner planned with.", "",
-             "| cluster | plan | layout | measured s/iter (median) | spread | predicted | error | "
-             "memory measured vs predicted (MB) | error, cluster's profile |",
-             "|---|---|---|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
-        memory = "; ".join(f"s{m['stage']} {m['measured_mb']:.0f} vs {m['predicted_mb']:.0f} ({m['error']:+.1%})"
-                           for m in r["memory"])
-        lines.append(f"| {r['cluster']} | {r['plan']} | {r['layout']} | {r['measured_s']:.3f} | "
-                     f"{r['spread']:.1%} | {r['predicted_s']:.3f} | {r['time_error']:+.1%} | {memory} | "
-                     f"{r['time_error_before']:+.1%} |")
-    time_mae = statistics.mean(abs(r["time_error"]) for r in rows)
-    before_mae = statistics.mean(abs(r["time_error_before"]) for r in rows)
-    memory_mae = statistics.mean(abs(m["error"]) for r in rows for m in r["memory"])
-    lines += ["", f"Mean absolute error: iteration time {time_mae:.1%}, peak memory {memory_mae:.1%} "
-              f"over {len(rows)} plans (target <= 5%); iteration time from the cluster's profile "
-              f"{before_mae:.1%}.", ""]
-    q = results["quality"]
-    if q:
-        compute = [r for r in rows if r["cluster"] == "compute"]
-        planned = next(r for r in compute if r["plan"] == "planner")
-        slack = max(r["spread"] for r in compute)
-        faster = [r for r in compute if r["measured_s"] < planned["measured_s"] * (1 - slack)]
-        lines += ["## Plan quality (compute cluster: 3 fast + 1 half-speed device)", "",
-                  f"- planner ({q['planner_layout']}): {q['planner_tokens_per_s']:.0f} tokens/s",
-                  f"- Megatron baseline ({q['baseline_layout']}): {q['baseline_tokens_per_s']:.0f} tokens/s",
-                  f"- speed-up {q['speedup']:.2f}x (target >= 1.5x)",
-                  "- upper bound (each type alone, summed): " + " + ".join(
-                      f"{t} {v:.0f}" for t, v in q["alone_tokens_per_s"].items())
-                  + f" = {q['upper_bound_tokens_per_s']:.0f} tokens/s; planner reaches "
-                    f"{q['fraction_of_upper_bound']:.1%} (target >= 95%)",
-                  f"- plans measured faster than the planner's beyond the largest spread ({slack:.1%}): "
-                  + (", ".join(f"{r['plan']} ({r['measured_s']:.3f} s)" for r in faster) or "none"), ""]
-    n = results["nic"]
-    if n:
-        lines += ["## NIC awareness (2 InfiniBand + 2 Ethernet nodes, listed interleaved)", "",
-                  f"- planner's order {n['aware_rank_order']} ({n['layout']}): {n['aware_tokens_per_s']:.0f} tokens/s",
-                  f"- same plan in launch order: {n['launch_order_tokens_per_s']:.0f} tokens/s",
-                  f"- NIC-aware / launch order: {n['speedup']:.2f}x",
-                  f"- PP=2 x DP=2 in the predictor's order {n['pp_aware']['layout'].split('order ')[1]}: "
-                  f"{n['pp_aware']['measured_tokens_per_s']:.0f} tokens/s, in the other order "
-                  f"{n['pp_other']['layout'].split('order ')[1]}: {n['pp_other']['measured_tokens_per_s']:.0f} "
-                  f"tokens/s -> {n['pp_speedup']:.2f}x", ""]
-    return "\n".join(lines)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "bench-emulated"))
@@ -418,7 +414,7 @@ def main() -> int:
                         help="of the compute cluster: 24 micro-batches of 2 split 7/7/7/3 within 2%% of the "
                              "devices' speeds; 16 of 2 (32) cannot come closer than 9%%")
     parser.add_argument("--small-global-batch-size", type=int, default=16, help="of the NIC and shapes clusters")
-    parser.add_argument("--only", choices=["compute", "nic", "shapes"], default=None)
+    parser.add_argument("--only", choices=["compute", "nic", "shapes", "interleaved"], default=None)
     parser.add_argument("--repeats", type=int, default=3, help="runs of every plan (median, spread)")
     parser.add_argument("--plans", type=int, default=None, help="at most this many plans of the shapes scenario")
     options = parser.parse_args()
@@ -437,8 +433,14 @@ def main() -> int:
         bench.nic_cluster(options.small_global_batch_size)
     if options.only in (None, "shapes"):
         bench.shapes_cluster(options.small_global_batch_size)
-    bench.save()
-    print("\n" + report(bench.results))
+    if options.only in (None, "compute", "nic", "shapes"):
+        bench.save()
+        print("\n" + report(bench.results))
+    if options.only in (None, "interleaved"):  # the demo's model, so a bench (and report) of its own
+        demo = Bench(out / "demo-model", options.iterations, options.repeats, model_flags=DEMO_MODEL_FLAGS,
+                     setup=DEMO_SETUP)
+        demo.interleaved_cluster(options.small_global_batch_size)
+        print("\n" + report(demo.results))
     print(f"(bench took {time.monotonic() - start:.0f} s; files in {out})")
     return 0
 

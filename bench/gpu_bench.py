@@ -281,7 +281,8 @@ def model_spec():
 
 
 def bench_train(out: Path, cases: list[tuple[int, str]] = TRAIN_CASES) -> list[dict]:
-    from hetero.predict.costs import CostModel, TrainingSetup
+    from hetero.predict.costs import CostModel
+    from hetero.predict.training_setup import TrainingSetup
     from hetero.predict.memory import DEFAULT_OVERHEAD_GIB
     from hetero.plan import Plan
     from hetero.predict.predictor import predict

@@ -342,7 +342,8 @@ def moe_train_prediction(out: Path, data_flags: list[str], cluster) -> tuple[Pat
     iteration time and memory for it from the GEMM curve; needs no GPU."""
     from megatron.hetero.startup import model_spec_of_flags
     from hetero.plan import Plan
-    from hetero.predict.costs import CostModel, TrainingSetup
+    from hetero.predict.costs import CostModel
+    from hetero.predict.training_setup import TrainingSetup
     from hetero.predict.memory import DEFAULT_OVERHEAD_GIB
     from hetero.predict.predictor import predict
 

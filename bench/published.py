@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.spec.cluster import Cluster  # noqa: E402
-from hetero.predict.costs import CostModel, TrainingSetup  # noqa: E402
+from hetero.predict.costs import CostModel  # noqa: E402
+from hetero.predict.training_setup import TrainingSetup  # noqa: E402
 from hetero.spec.model import ModelSpec  # noqa: E402
 from hetero.plan import Plan  # noqa: E402
 from hetero.predict.predictor import Prediction, predict  # noqa: E402
@@ -185,7 +186,7 @@ def predict_gpu_row(row: GpuRow) -> Prediction:
 class MoeRow:
     name: str
     model: str
-    """Preset (hetero/spec/model.py)."""
+    """Preset (hetero/spec/presets.py)."""
     source: str
     precision: str
     gpus: int
@@ -282,7 +283,7 @@ def dgx_h100(num_gpus: int) -> Cluster:
 def predict_moe_row(row: MoeRow, a2a_overlap: bool | None = None) -> Prediction:
     """The row's run as predicted, with its recipe's all-to-all overlap (or the one given)."""
     from hetero.pipeline_layout import SplitFlags
-    from hetero.spec.model import PRESETS
+    from hetero.spec.presets import PRESETS
     model = PRESETS[row.model].with_seq_length(4096)
     cluster = dgx_h100(row.gpus)
     devices = [{"host": n.host, "device_type": n.device.name, "vendor": n.device.vendor, "nic": "ib"}
@@ -325,19 +326,19 @@ def moe_forward_added(extra_s: float):
     time the cost model does not price: the wait for the token counts and the launches after
     it)? A question asked of the model, not a term of it: it adds to the MoE layer's kernel
     gaps while the block runs."""
-    from hetero.predict import costs
+    from hetero.predict import layer_costs
 
-    original = costs.moe_kernel_gaps_s
+    original = layer_costs.moe_kernel_gaps_s
 
     def with_extra(local_experts: float) -> tuple[float, float]:
         forward, backward = original(local_experts)
         return forward + extra_s, backward
 
-    costs.moe_kernel_gaps_s = with_extra
+    layer_costs.moe_kernel_gaps_s = with_extra
     try:
         yield
     finally:
-        costs.moe_kernel_gaps_s = original
+        layer_costs.moe_kernel_gaps_s = original
 
 
 def what_if(added_ms: list[float]) -> None:

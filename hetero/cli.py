@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 from hetero.errors import HeteroError
-from hetero.jobs import Objective, explain, plan_for_objective
+from hetero.job import Job, Objective
+from hetero.jobs import explain, plan_for
 from hetero.plan import Plan
-from hetero.predict.costs import TrainingSetup
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec.recompute import MODES as RECOMPUTE_MODES, mode as recompute_mode
 from hetero.report import (measured_against_predicted, measured_iteration_times_s, memory_table, summary,
                            timeline_png)
@@ -30,7 +31,8 @@ from hetero.spec import discover, profile_slurm
 from hetero.spec.cluster import Cluster
 from hetero.spec.launch_script import pretrain_flags_of_script
 from hetero.spec.megatron_args import FlagsJob, job_of_flags
-from hetero.spec.model import ModelSpec, load_model
+from hetero.spec.model import ModelSpec
+from hetero.spec.presets import load_model
 from hetero.spec.profiles import Profiles
 
 
@@ -86,6 +88,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                         "matrix, SwiGLU its intermediate tensors")
     p.add_argument("--no-dropout", action="store_true",
                    help="the recipe sets hidden and attention dropout to 0 (no masks kept)")
+    p.add_argument("--no-templates", action="store_true",
+                   help="plans of one pipeline shape only (no replica templates, plan version 4)")
     p.add_argument("--tensor-parallel", type=_int_list, default=None, help="degrees to try (default 1,2,4,8)")
     p.add_argument("--micro-batch-size", type=_int_list, default=None, help="sizes to try (default 1,2,4,8)")
     p.add_argument("--expert-parallel", type=_int_list, default=None,
@@ -104,36 +108,6 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, help="also draw the predicted iteration (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress")
     return p
-
-
-@dataclasses.dataclass(frozen=True)
-class _JobInputs:
-    """What to plan: the model at given tensor-parallel degrees (the vocabulary padding may
-    follow them), the global batch, the training set-up and the search's options."""
-
-    model_for: Callable[[tuple[int, ...]], ModelSpec]
-    global_batch_size: int
-    options: PlannerOptions
-    precision: str | None
-    pipeline_parallel: int | None = None
-    """The pipeline depth the flags fix (the planner chooses its own; they must agree)."""
-    is_padding: Callable[[int], bool] = lambda _: False
-    """Whether a vocabulary size is this job's tokenizer padded for other degrees."""
-
-
-def _profiles_for(profiles: Profiles | None, model: ModelSpec, inputs: _JobInputs) -> Profiles | None:
-    """The profiles, those measured at another padding of this job's vocabulary standing for
-    this one: the profiler pads for the degrees it measured, the run for the plan's; the
-    logits layer differs by a few rows."""
-    if profiles is None:
-        return None
-    aligned = []
-    for profile in profiles.compute:
-        vocab = profile.model.get("vocab_size")
-        if isinstance(vocab, int) and vocab != model.vocab_size and inputs.is_padding(vocab):
-            profile = profile.model_copy(update={"model": {**profile.model, "vocab_size": model.vocab_size}})
-        aligned.append(profile)
-    return Profiles(aligned, profiles.link_profiles)
 
 
 # hetero-plan's options that Megatron's flags state in their own words.
@@ -156,10 +130,10 @@ def _search_options(args: argparse.Namespace, setup: TrainingSetup, **fixed) -> 
         virtual_stages=fixed.get("virtual_stages") or args.virtual_stages or (1, 2),
         pipeline_parallel=fixed.get("pipeline_parallel"),
         expert_parallel=fixed.get("expert_parallel") or args.expert_parallel,
-        expert_tensor_parallel=fixed.get("expert_tensor_parallel"))
+        expert_tensor_parallel=fixed.get("expert_tensor_parallel"), templates=not args.no_templates)
 
 
-def _model_inputs(args: argparse.Namespace) -> _JobInputs:
+def _model_job(args: argparse.Namespace, cluster: Cluster) -> Job:
     missing = [flag for flag, value in (("--global-batch-size", args.global_batch_size),
                                         ("--seq-length", args.seq_length)) if value is None]
     if missing:
@@ -173,7 +147,7 @@ def _model_inputs(args: argparse.Namespace) -> _JobInputs:
                           overlap_grad_reduce=args.overlap_grad_reduce,
                           overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                           grad_reduce_dtype="bf16" if args.grad_reduce_in_bf16 else None)
-    return _JobInputs(lambda _: model, args.global_batch_size, _search_options(args, setup), args.precision)
+    return Job(cluster, model, args.global_batch_size, _search_options(args, setup), precision=args.precision)
 
 
 def _fixed(option: str, ours: tuple[int, ...] | None, flag: str, theirs: int | None) -> tuple[int, ...] | None:
@@ -201,7 +175,7 @@ def _check_expert_tensor_parallel(job: FlagsJob, options: PlannerOptions) -> Non
             "to the TP degree (or drop it), or raise --expert-model-parallel-size")
 
 
-def _flags_inputs(args: argparse.Namespace, job: FlagsJob) -> _JobInputs:
+def _flags_job(args: argparse.Namespace, job: FlagsJob, cluster: Cluster) -> Job:
     stated = [f"--{name.replace('_', '-')} ({flags})" for name, flags in _STATED_BY_FLAGS.items()
               if getattr(args, name) not in (None, False)]
     if stated:
@@ -236,7 +210,8 @@ def _flags_inputs(args: argparse.Namespace, job: FlagsJob) -> _JobInputs:
                                job.expert_parallel),
         expert_tensor_parallel=job.expert_tensor_parallel)
     _check_expert_tensor_parallel(job, options)
-    return _JobInputs(job.model_for, global_batch, options, job.precision, job.pipeline_parallel, job.is_padding)
+    return Job(cluster, job.model, global_batch, options, precision=job.precision, vocabulary=job.vocabulary,
+               pipeline_parallel=job.pipeline_parallel)
 
 
 def _plan_command(argv: Sequence[str]) -> int:
@@ -248,21 +223,23 @@ def _plan_command(argv: Sequence[str]) -> int:
         if args.tokenizer_vocab_size is not None:
             raise HeteroError("--tokenizer-vocab-size is for Megatron flags; with --model, --vocab-size gives "
                               "the padded vocabulary")
-        inputs = _model_inputs(args)
+        cluster = Cluster.load(args.cluster)
+        job = _model_job(args, cluster)
     else:
         flags = pretrain_flags_of_script(args.megatron_script, rest) if args.megatron_script else rest
         if not flags:
             raise HeteroError("no model: give --model NAME|YAML, pretrain_gpt.py's flags after `--`, "
                               "or --megatron-script train.sh")
-        inputs = _flags_inputs(args, job_of_flags(flags, args.tokenizer_vocab_size))
-    cluster = Cluster.load(args.cluster)
-    options = inputs.options
-    model = inputs.model_for(options.tensor_parallel)
-    profiles = None
+        flags_job = job_of_flags(flags, args.tokenizer_vocab_size)
+        cluster = Cluster.load(args.cluster)
+        job = _flags_job(args, flags_job, cluster)
+    job = dataclasses.replace(job, objective=Objective(args.objective, args.min_tokens_per_s,
+                                                       args.max_dollars_per_hour))
     if args.profiles:
-        profiles = Profiles.load_dir(args.profiles)
-        profiled = inputs.precision or "bf16"
-        missing = _profiles_for(profiles, model, inputs).missing(list(cluster.device_counts()), model, profiled)
+        job = dataclasses.replace(job, profiles=Profiles.load_dir(args.profiles), profiles_source=args.profiles)
+        profiled = job.precision if job.precision not in (None, "from-options") else "bf16"
+        model = job.model_for(job.options.tensor_parallel)
+        missing = job.profiles_for(model).missing(list(cluster.device_counts()), model, profiled)
         if missing and not args.roofline_for_missing:
             raise HeteroError(
                 f"--profiles {args.profiles} has no {profiled} compute profile of this model "
@@ -274,31 +251,15 @@ def _plan_command(argv: Sequence[str]) -> int:
     def progress(step: str) -> None:
         print(f"  searching {step} ...", file=sys.stderr, flush=True)
 
-    objective = Objective(args.objective, args.min_tokens_per_s, args.max_dollars_per_hour)
-    while True:
-        job, _ = plan_for_objective(cluster, model, inputs.global_batch_size, options, objective,
-                                    _profiles_for(profiles, model, inputs),
-                                    progress=None if args.quiet else progress,
-                                    with_baseline=not args.skip_baseline, with_upper_bound=not args.skip_upper_bound,
-                                    profiles_source=args.profiles, precision=inputs.precision)
-        # The run pads the vocabulary for the plan's degrees: plan again at those degrees
-        # when that padding differs from the one searched with (each pass narrows them).
-        chosen = tuple(sorted(set(job.plan.stage_tensor_parallel)))
-        exact = inputs.model_for(chosen)
-        if exact == model:
-            break
-        model, options = exact, dataclasses.replace(options, tensor_parallel=chosen)
-    if inputs.pipeline_parallel is not None and inputs.pipeline_parallel != job.plan.pipeline_parallel:
-        raise HeteroError(  # the search keeps to the flags' depth: only a bug gets here
-            f"the flags fix --pipeline-model-parallel-size {inputs.pipeline_parallel}, the plan has "
-            f"{job.plan.pipeline_parallel} stages")
-    job.plan.save(args.output)
-    print(summary(job.plan, job.prediction, cluster, f"hetero-plan: wrote {args.output}"))
+    planned = plan_for(job, progress=None if args.quiet else progress, with_baseline=not args.skip_baseline,
+                       with_upper_bound=not args.skip_upper_bound)
+    planned.plan.save(args.output)
+    print(summary(planned.plan, planned.prediction, cluster, f"hetero-plan: wrote {args.output}"))
     if args.model is None:
         print(f"run        pretrain_gpt.py --hetero-plan {args.output} with the same flags (TP, PP, micro-batch "
-              f"and global batch come from the plan; padded vocabulary {model.vocab_size})")
+              f"and global batch come from the plan; padded vocabulary {planned.plan.model.vocab_size})")
     if args.timeline:
-        print(f"timeline   {timeline_png(job.plan, job.prediction, args.timeline)}")
+        print(f"timeline   {timeline_png(planned.plan, planned.prediction, args.timeline)}")
     return 0
 
 

@@ -10,12 +10,14 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Iterator
 from datetime import datetime, timezone
 
 from hetero.errors import HeteroError, PlanError
+from hetero.job import Job, Objective
 from hetero.plan import Plan
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.predict.economics import Economics, economics, missing
 from hetero.predict.predictor import Prediction, predict
 from hetero.runtime_rules import RUNTIME_PRECISIONS, precision_problems, runtime_problems
@@ -34,61 +36,13 @@ class PlannedJob:
     plan: Plan
     prediction: Prediction
     cluster: Cluster
+    search_cpu_s: float | None = None
+    """The planner's CPU time (benchmarks: steadier than the recorded wall time)."""
 
     @property
     def economics(self) -> Economics:
         return economics((d.device_type for d in self.plan.devices), self.prediction.tokens_per_s,
                          self.cluster.devices)
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What the plan is chosen for.
-
-    throughput: the most tokens/s (under max_dollars_per_hour, when given);
-    cost: the fewest $ per token; energy: the fewest J per token (each at least
-    min_tokens_per_s, and under max_dollars_per_hour, when given).
-    """
-
-    goal: Literal["throughput", "cost", "energy"] = "throughput"
-    min_tokens_per_s: float | None = None
-    max_dollars_per_hour: float | None = None
-
-    @property
-    def plain(self) -> bool:
-        """The planner's own objective: every device, fastest plan."""
-        return self.goal == "throughput" and self.max_dollars_per_hour is None
-
-    def describe(self) -> str:
-        text = {"throughput": "the most tokens/s", "cost": "the fewest $ per token",
-                "energy": "the fewest J per token"}[self.goal]
-        if self.min_tokens_per_s is not None:
-            text += f", at least {self.min_tokens_per_s:,.0f} tokens/s"
-        if self.max_dollars_per_hour is not None:
-            text += f", at most ${self.max_dollars_per_hour:,.2f}/h"
-        return text
-
-    def needs(self) -> list[str]:
-        """The device facts it prices with."""
-        needs = []
-        if self.goal == "cost" or self.max_dollars_per_hour is not None:
-            needs.append("price_per_hour")
-        if self.goal == "energy":
-            needs.append("board_power_w")
-        return needs
-
-    def admits(self, e: Economics) -> bool:
-        if self.min_tokens_per_s is not None and e.tokens_per_s < self.min_tokens_per_s:
-            return False
-        return self.max_dollars_per_hour is None or e.dollars_per_hour <= self.max_dollars_per_hour
-
-    def better(self, a: Economics, b: Economics) -> bool:
-        """a is preferred to b."""
-        if self.goal == "cost":
-            return a.dollars_per_million_tokens < b.dollars_per_million_tokens
-        if self.goal == "energy":
-            return a.joules_per_token < b.joules_per_token
-        return a.tokens_per_s > b.tokens_per_s
 
 
 def precision_choices(cluster: Cluster, requested: str | None) -> tuple[str, Cluster, str]:
@@ -200,7 +154,7 @@ def plan_job(cluster: Cluster, model: ModelSpec, global_batch_size: int,
     problems = runtime_problems(plan, model, setup.precision, devices.devices)
     if problems:  # the search only builds layouts the runtime runs: a bug if this fires
         raise HeteroError("hetero-plan made a plan the runtime would refuse: " + "; ".join(problems))
-    return PlannedJob(plan, prediction, devices)
+    return PlannedJob(plan, prediction, devices, result.search_cpu_s)
 
 
 def _per_token(e: Economics) -> dict:
@@ -209,21 +163,53 @@ def _per_token(e: Economics) -> dict:
             "joules_per_token": None if energy is None else round(energy, 6)}
 
 
-def device_sets(cluster: Cluster) -> list[list[str]]:
-    """Every non-empty set of the cluster's device types: the jobs an objective other than
-    speed chooses among (a device type left out is not rented). Counts within a type are
-    all or nothing."""
-    types = list(cluster.device_counts())
-    return [list(subset) for size in range(1, len(types) + 1) for subset in itertools.combinations(types, size)]
+def node_steps(nodes: int) -> list[int]:
+    """Node counts of one device type an objective other than speed tries: all of them, then
+    halving down to one (a device type used in part)."""
+    steps = [nodes]
+    while steps[-1] > 1:
+        steps.append(steps[-1] // 2)
+    return steps
+
+
+PER_DEVICE_SLACK = 1.25
+"""How much more a device type may give per device beside others than its best alone (a type
+runs a cheaper layout beside others: Holmes-like reaches 100% of the upper bound)."""
+
+
+def device_choices(cluster: Cluster, alone: dict[str, float]) -> Iterator[dict[str, int]]:
+    """The sets of devices an objective other than speed chooses among (a device left out
+    is not rented): each device type alone on node_steps of its nodes, then every set of
+    several types, all their nodes first, then fewer. alone[t]: the best tokens/s per
+    device type t reached alone so far (filled in while the first choices are planned)."""
+    nodes = {t: cluster.nodes_of(t) for t in cluster.device_counts()}
+    for t, n in nodes.items():
+        for count in node_steps(n):
+            yield {t: count}
+    for size in range(2, len(nodes) + 1):
+        for types in itertools.combinations(nodes, size):
+            yield {t: nodes[t] for t in types}
+    for size in range(2, len(nodes) + 1):
+        for types in itertools.combinations(nodes, size):
+            for counts in itertools.product(*(node_steps(nodes[t]) for t in types)):
+                if all(alone.get(t) for t in types) and counts != tuple(nodes[t] for t in types):
+                    yield dict(zip(types, counts))
+
+
+def _label(cluster: Cluster, choice: dict[str, int]) -> list[str]:
+    return [t if n == cluster.nodes_of(t) else f"{t} ({n} of {cluster.nodes_of(t)} nodes)" for t, n in choice.items()]
 
 
 def plan_for_objective(cluster: Cluster, model: ModelSpec, global_batch_size: int,
                        options: PlannerOptions, objective: Objective, profiles: Profiles | None = None,
                        progress=None, **job_options) -> tuple[PlannedJob, list[tuple[list[str], Economics]]]:
     """The job planned for an objective: for throughput alone, plan_job on every device;
-    otherwise each device set is planned for speed (on fixed devices the fastest plan is also
-    the cheapest and the most frugal per token) and the sets are compared by the objective.
-    Returns the job and what each device set achieved (for the summary)."""
+    otherwise each device set (device_choices: types left out, and a type on fewer of its
+    nodes) is planned for speed (on fixed devices the fastest plan is also the cheapest and
+    the most frugal per token) and the sets are compared by the objective. A set whose
+    optimistic throughput (each type at PER_DEVICE_SLACK times its best per device alone)
+    cannot win is not planned (device types on all their nodes always are). Returns the job and what each device set achieved (for the
+    summary)."""
     if objective.plain:
         return plan_job(cluster, model, global_batch_size, options, profiles, progress=progress,
                         **job_options), []
@@ -235,59 +221,91 @@ def plan_for_objective(cluster: Cluster, model: ModelSpec, global_batch_size: in
                               f"{', '.join(lacking)}; give them in the cluster spec, e.g. "
                               f"{section}: {{{lacking[0]}: ...}}")
     tried: list[tuple[list[str], Economics]] = []
-    best: tuple[list[str], Economics] | None = None
-    for kept in device_sets(cluster):
+    best: tuple[dict[str, int], Economics] | None = None
+    alone: dict[str, float] = {}
+    for choice in device_choices(cluster, alone):
+        kept = cluster.keep_nodes(choice)
+        counts = kept.device_counts()
+        partial = any(n < cluster.nodes_of(t) for t, n in choice.items())
+        if len(choice) > 1 and partial and best is not None:  # every type has run alone (device_choices)
+            optimistic = economics([t for t, n in counts.items() for _ in range(n)],
+                                   sum(PER_DEVICE_SLACK * alone[t] * n for t, n in counts.items()), cluster.devices)
+            if not (objective.admits(optimistic) and objective.better(optimistic, best[1])):
+                continue
         if progress:
-            progress(f"{objective.goal}: devices {'+'.join(kept)}")
+            progress(f"{objective.goal}: devices {'+'.join(_label(cluster, choice))}")
         try:
-            job = plan_job(cluster.keep(kept), model, global_batch_size, options, profiles,
+            job = plan_job(kept, model, global_batch_size, options, profiles,
                            with_baseline=False, with_upper_bound=False,
                            precision=job_options.get("precision", "from-options"))
         except HeteroError:  # the model does not fit these devices alone
             continue
         result = job.economics
-        tried.append((kept, result))
+        if len(choice) == 1:
+            (t, n), = counts.items()
+            alone[t] = max(alone.get(t, 0.0), result.tokens_per_s / n)
+        tried.append((_label(cluster, choice), result))
         if objective.admits(result) and (best is None or objective.better(result, best[1])):
-            best = (kept, result)
+            best = (choice, result)
     if best is None:
         achieved = "; ".join(f"{'+'.join(k)}: {e.describe()}" for k, e in tried) or "no device set fits the model"
         raise HeteroError(f"no plan meets the objective ({objective.describe()}): {achieved}; relax "
                           "--min-tokens-per-s or --max-dollars-per-hour")
-    kept = best[0]
-    chosen = cluster if len(kept) == len(cluster.device_counts()) else cluster.keep(kept)
+    choice = best[0]
+    whole = choice == {t: cluster.nodes_of(t) for t in cluster.device_counts()}
+    chosen = cluster if whole else cluster.keep_nodes(choice)
     job = plan_job(chosen, model, global_batch_size, options, profiles, progress=progress, **job_options)
     recorded = job.plan.prediction.model_copy(update={"objective": objective.describe()})
     job.plan = job.plan.model_copy(update={"prediction": recorded})
     return job, tried
 
 
-@dataclass
-class RecordedJob:
-    """What a plan written by hetero-plan records of the job it was made for."""
 
-    cluster: Cluster
-    model: ModelSpec
-    setup: TrainingSetup
-    profiles: Profiles | None
-    profiles_source: str | None
 
-    @classmethod
-    def of(cls, plan: Plan, source: str) -> "RecordedJob":
-        missing = [name for name in ("cluster", "model", "training") if getattr(plan, name) is None]
-        if missing:
-            raise PlanError(f"{source} has no {', '.join(missing)} section; a plan written by "
-                            "hetero-plan records them")
-        profiles_source = plan.provenance.profiles if plan.provenance is not None else None
-        return cls(Cluster(plan.cluster, f"{source}: cluster"), plan.model.spec(),
-                   TrainingSetup(**plan.training.setup_fields()),
-                   Profiles.load_dir(profiles_source) if profiles_source else None, profiles_source)
+def plan_for(job: Job, progress: Callable[[str], None] | None = None, with_baseline: bool = True,
+         with_upper_bound: bool = True) -> PlannedJob:
+    """Plans a job: hetero-plan and every re-plan (elastic, the Slurm driver, re-admission)
+    come here. The run pads its vocabulary for the plan's tensor-parallel degrees, so the
+    plan is made again at the degrees it chose while that changes the padding (each pass
+    narrows them); a job that keeps its trained vocabulary drops degrees at which no
+    --make-vocab-size-divisible-by gives it. The plan records the padding's divisor."""
+    options = job.options
+    while True:
+        model = job.model_for(options.tensor_parallel)
+        planned, _ = plan_for_objective(job.cluster, model, job.global_batch_size, options, job.objective,
+                                        job.profiles_for(model), progress=progress, with_baseline=with_baseline,
+                                        with_upper_bound=with_upper_bound, profiles_source=job.profiles_source,
+                                        precision=job.precision)
+        chosen = tuple(sorted({tp for t in planned.plan.templates for tp in t.stage_tensor_parallel}))
+        if job.kept_vocab_size is not None and job.divisor_for(chosen) is None:
+            allowed = tuple(t for t in options.tensor_parallel if job.divisor_for((t,)) is not None)
+            if allowed == options.tensor_parallel or not allowed:
+                raise HeteroError(f"no tensor-parallel degree among {options.tensor_parallel} keeps the trained "
+                                  f"vocabulary of {job.kept_vocab_size} rows; resume at the degrees it was trained at")
+            options = dataclasses.replace(options, tensor_parallel=allowed)
+            continue
+        if job.model_for(chosen) == model:
+            break
+        options = dataclasses.replace(options, tensor_parallel=chosen)
+    depths = sorted({t.pipeline_parallel for t in planned.plan.templates})
+    if job.pipeline_parallel is not None and depths != [job.pipeline_parallel]:
+        raise HeteroError(  # the search keeps to the flags' depth: only a bug gets here
+            f"the flags fix --pipeline-model-parallel-size {job.pipeline_parallel}, the plan has "
+            f"{'/'.join(map(str, depths))} stages")
+    if job.vocabulary is not None:
+        training = planned.plan.training.model_copy(update={
+            "tokenizer_vocab_size": job.vocabulary.tokenizer_vocab_size,
+            "make_vocab_size_divisible_by": job.divisor_for(chosen)})
+        planned.plan = Plan.from_dict(planned.plan.model_copy(update={"training": training}).to_dict(),
+                                      source="the plan made")
+    return planned
 
 
 def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:
     """Re-predicts a plan written by hetero-plan (it carries its cluster, model, training),
     after the runtime's own checks of the plan for its model and precision (runtime_rules):
     a plan pretrain_gpt.py would refuse is refused here with the same messages."""
-    job = RecordedJob.of(plan, source)
+    job = Job.of_record(plan, source=source)
     problems = runtime_problems(plan, job.model, job.setup.precision, job.cluster.devices)
     if problems:
         raise PlanError(f"{source}: pretrain_gpt.py would refuse this plan: " + "; ".join(problems))
@@ -295,10 +313,15 @@ def explain(plan: Plan, source: str) -> tuple[Prediction, Cluster]:
 
 
 def plan_for_recorded_job(plan: Plan, cluster: Cluster) -> Plan:
-    """The plan's job (model, precision, global batch, micro-batch size) planned anew for
-    another cluster: what an elastic run does after losing nodes. The micro-batch size
-    stays, since the job's flags state it."""
-    job = RecordedJob.of(plan, "the plan")
-    options = PlannerOptions(micro_batch_sizes=(plan.micro_batch_size,), setup=job.setup)
-    return plan_job(cluster, job.model, plan.global_batch_size, options, job.profiles,
-                    with_baseline=False, with_upper_bound=False, profiles_source=job.profiles_source).plan
+    """The plan's job (model, precision, global batch, micro-batch size, trained vocabulary)
+    planned anew for another cluster: what an elastic run does after losing nodes. The
+    micro-batch size stays, since the job's flags state it. A plan of several templates may
+    keep the templates whose hosts all remain as they are, with new templates on the hosts
+    the others leave, where that is predicted best (the planner's search weighs it against
+    every other plan)."""
+    job = Job.of_record(plan, cluster)
+    hosts = {node.host for node in cluster.nodes}
+    templates = [plan.template_plan(k) for k in range(plan.num_templates)] if plan.num_templates > 1 else []
+    kept = tuple(template for template in templates if {d.host for d in template.devices} <= hosts)
+    job = dataclasses.replace(job, options=dataclasses.replace(job.options, kept_templates=kept))
+    return plan_for(job, with_baseline=False, with_upper_bound=False).plan

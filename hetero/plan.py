@@ -1,69 +1,77 @@
-"""The plan file (plan.json, version 3): how one training job is laid out on a cluster.
+"""The plan file (plan.json): how one training job is laid out on a cluster.
 
-A plan fixes the parallel degrees (a tensor-parallel degree per stage from version 3), how
-many decoder layers each pipeline stage holds (split into interleaved virtual stages, and
-recomputed per stage, from version 2), how many micro-batches each data-parallel replica
-runs per iteration, and which launched process plays which Megatron rank. Logical rank i
-follows Megatron's order (tensor fastest, then context, then data, then pipeline;
-``Plan.rank_at``), and launch rank ``rank_order[i]`` (torchrun's RANK, on
-``devices[rank_order[i]]``) runs it.
+A plan runs one or more *replica templates*. A template is a pipeline shape (how many
+decoder layers each stage holds, a tensor-parallel degree per stage, recomputation and
+virtual stages per stage) and the data-parallel replicas that run it, each with its number
+of micro-batches per iteration; every template holds the whole model, and the global batch
+is the sum over all replicas. A plan of one template (versions 1-3) gives that template's
+fields at its top level; a plan of several (version 4) lists them under ``templates``.
+``rank_order`` says which launched process plays which logical rank: launch rank
+``rank_order[i]`` (torchrun's RANK, on ``devices[rank_order[i]]``) runs logical rank i, and
+the logical ranks follow the rank grid (hetero/grid.py: templates one after another, each in
+Megatron's order).
 
 docs/plan-format.md is the reference: every field, the versions, the rank arithmetic and
-megatron-core's constraints on the interleaved schedule. The entries of the lists (stages,
-replicas, devices) are in hetero/plan_entries.py. A plan written by hetero-plan also carries
-the job record (``model``, ``training``, ``cluster``, ``prediction``, ``provenance``:
-hetero/record.py). Unknown top-level keys are kept and written back unchanged. Counts are
-bounded (MAX_COUNT) and compared with the lists they size before anything is built from
-them, so a malformed file gets a PlanError naming the field, never a MemoryError.
+megatron-core's constraints. The entries of the lists (templates, stages, replicas, devices)
+are in hetero/plan_entries.py, the layout's checks in hetero/plan_checks.py. A plan written
+by hetero-plan also carries the job record (``model``, ``training``, ``cluster``,
+``prediction``, ``provenance``: hetero/record.py). Unknown top-level keys are kept and
+written back unchanged. Counts are bounded (MAX_COUNT) and compared with the lists they size
+before anything is built from them, so a malformed file gets a PlanError naming the field,
+never a MemoryError.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Literal, Sequence
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetero.balance import split_in_proportion
 from hetero.errors import PlanError
+from hetero.grid import Grid, RankCoords, TemplateShape
 from hetero.io import describe_validation_error, write_json_atomic
 from hetero.pipeline_layout import SplitFlags, megatron_split
-from hetero.plan_entries import (DeviceEntry, RecomputeEntry, ReplicaEntry, StageEntry, cluster_problems,
-                                 virtual_stage_problems)
+from hetero.plan_checks import ONE_TEMPLATE_FIELDS, expert_parallel_problems, grid_of, plan_problems, split_in_equal_blocks
+from hetero.plan_entries import DeviceEntry, ReplicaEntry, StageEntry, TemplateEntry
 from hetero.record import (SECTIONS, ClusterSection, Count, ModelRecord, PredictionRecord, ProvenanceRecord,
                            TrainingRecord)
 
 PLAN_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+"""The version a plan of one template is written in."""
+TEMPLATES_VERSION = 4
+"""The version a plan of several templates is written in."""
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 
-
-@dataclass(frozen=True)
-class RankCoords:
-    """Where one logical rank sits in the (tensor, context, data, pipeline) grid."""
-
-    tp_rank: int
-    dp_rank: int
-    pp_rank: int
-    cp_rank: int = 0
+__all__ = ["PLAN_VERSION", "TEMPLATES_VERSION", "DeviceEntry", "Plan", "RankCoords", "ReplicaEntry", "StageEntry",
+           "TemplateEntry", "expert_parallel_problems"]
 
 
 class Plan(BaseModel):
-    """A validated plan; build it with ``Plan.load`` or ``Plan.from_dict``."""
+    """A validated plan; build it with ``Plan.load`` or ``Plan.from_dict``.
 
-    model_config = ConfigDict(extra="allow")
+    One template's layout (versions 1-3) lives in the top-level fields (``tensor_parallel``,
+    ``pipeline_parallel``, ``data_parallel``, ``stages``, ``replicas``, read by attribute); several
+    (version 4) in ``templates``. ``plan.templates`` lists the templates either way. The
+    attributes of one pipeline shape (``stages``, ``tensor_parallel``, ``pipeline_parallel``,
+    ``stage_tensor_parallel``, ...) exist for a plan of one template; on one of several they
+    raise a PlanError naming the caller's need: ask ``plan.template(k)`` instead. ``replicas``
+    and ``data_parallel`` count every template's replicas (replica d of the plan is the d-th
+    in template order)."""
 
-    version: Literal[1, 2, 3]
-    tensor_parallel: Count
-    pipeline_parallel: Count
-    data_parallel: Count
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    version: Literal[1, 2, 3, 4]
+    top_tensor_parallel: Count | None = Field(default=None, alias="tensor_parallel")
+    top_pipeline_parallel: Count | None = Field(default=None, alias="pipeline_parallel")
+    top_data_parallel: Count | None = Field(default=None, alias="data_parallel")
     micro_batch_size: Count
-    stages: list[StageEntry] = Field(min_length=1)
-    replicas: list[ReplicaEntry] = Field(min_length=1)
+    top_stages: list[StageEntry] | None = Field(default=None, alias="stages", min_length=1)
+    top_replicas: list[ReplicaEntry] | None = Field(default=None, alias="replicas", min_length=1)
+    listed_templates: list[TemplateEntry] | None = Field(default=None, alias="templates", min_length=1)
     rank_order: list[Annotated[int, Field(strict=True)]]
     devices: list[DeviceEntry]
     # Expert parallelism (MoE): experts spread over expert_parallel ranks of each stage, each
@@ -84,94 +92,10 @@ class Plan(BaseModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Plan":
-        problems = []
-        world = self.world_size
-        if len(self.stages) != self.pipeline_parallel:
-            problems.append(
-                f"stages has {len(self.stages)} entries but pipeline_parallel is "
-                f"{self.pipeline_parallel}: give one entry per pipeline stage"
-            )
-        if len(self.replicas) != self.data_parallel:
-            problems.append(
-                f"replicas has {len(self.replicas)} entries but data_parallel is "
-                f"{self.data_parallel}: give one entry per data-parallel replica"
-            )
-        if len(self.devices) != world:
-            grid = (f"data_parallel x sum of the stages' tensor_parallel {self.stage_tensor_parallel}"
-                    if self.per_stage_tensor_parallel else "tensor_parallel x pipeline_parallel x data_parallel")
-            if self.context_parallel > 1:
-                grid = f"context_parallel x {grid}"
-            problems.append(
-                f"devices has {len(self.devices)} entries but {grid} = {world}: give one entry per launch rank"
-            )
-        # Lengths first: range(world) is built only once the file holds world entries.
-        if len(self.rank_order) != world or sorted(self.rank_order) != list(range(world)):
-            shown = self.rank_order if len(self.rank_order) <= 64 else f"{len(self.rank_order)} entries"
-            problems.append(
-                f"rank_order must be a permutation of 0..{world - 1} (one launch rank per "
-                f"logical rank, each used once); got {shown}"
-            )
-        hosts_seen: list[str] = []
-        for device in self.devices:
-            if not hosts_seen or hosts_seen[-1] != device.host:
-                if device.host in hosts_seen:
-                    problems.append(
-                        f"devices of host {device.host!r} are not contiguous in launch order; "
-                        "torchrun numbers the ranks of one node consecutively, so list each "
-                        "host's devices together"
-                    )
-                    break
-                hosts_seen.append(device.host)
-        problems += virtual_stage_problems(self.stages, self.replicas, self.pipeline_parallel)
-        if self.cluster is not None:
-            problems += cluster_problems(self.devices, self.cluster)
-        for index, stage in enumerate(self.stages):
-            entry = stage.recompute
-            if isinstance(entry, RecomputeEntry) and entry.method == "uniform":
-                chunks = stage.virtual_stages or [stage.num_layers]
-                if any(n % entry.num_layers for n in chunks):
-                    problems.append(
-                        f"stages[{index}].recompute: uniform groups of {entry.num_layers} layers do "
-                        f"not divide the stage's {'+'.join(map(str, chunks))} layers (megatron-core "
-                        "recomputes whole groups); use a divisor or the block method")
-        problems += expert_parallel_problems(
-            self.stage_tensor_parallel, [r.num_micro_batches for r in self.replicas],
-            self.expert_parallel, self.expert_tensor_parallel, self.context_parallel)
-        if self.expert_parallel > 1 and self.model is not None and (
-                self.model.num_experts is None or self.model.num_experts % self.expert_parallel):
-            problems.append(
-                f"expert_parallel {self.expert_parallel} shares out each MoE layer's experts, but the "
-                f"model has {self.model.num_experts or 'no'} experts: use a divisor of the expert count")
-        problems += self._context_parallel_problems()
-        if self.per_stage_tensor_parallel and self.virtual_pipeline_size is not None:
-            problems.append(
-                f"stages give different tensor_parallel {self.stage_tensor_parallel} and virtual_stages: "
-                "the interleaved schedule with a tensor-parallel degree per stage is not supported "
-                "(its wrap-around transfers are not re-sharded); drop virtual_stages or use one degree")
-        for needed, names in ((2, ("recompute", "virtual_stages")), (3, ("tensor_parallel",))):
-            uses = [f"stages[{i}].{name}" for i, stage in enumerate(self.stages)
-                    for name in names if getattr(stage, name) is not None]
-            if uses and self.version < needed:
-                problems.append(f"{', '.join(uses)} need plan version {needed}; set \"version\": {needed}")
+        problems = plan_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    def _context_parallel_problems(self) -> list[str]:
-        if self.context_parallel == 1:
-            return []
-        problems = []
-        if self.per_stage_tensor_parallel:
-            problems.append(
-                f"context_parallel {self.context_parallel} with a tensor_parallel per stage "
-                f"{self.stage_tensor_parallel}: activations crossing stages of different degrees are "
-                "re-sharded by tensor rank only, not by context rank; use one tensor_parallel degree")
-        if self.model is not None and self.model.seq_length % (2 * self.context_parallel):
-            problems.append(
-                f"context_parallel {self.context_parallel} cuts each sequence into "
-                f"{2 * self.context_parallel} equal chunks (Megatron's load-balanced causal split), "
-                f"but the model's seq_length is {self.model.seq_length}: use a divisor")
-        return problems
 
     # ----- loading and saving -------------------------------------------------------
 
@@ -191,7 +115,7 @@ class Plan(BaseModel):
         except ValidationError as err:
             raise PlanError(
                 describe_validation_error(
-                    err, source, f"hetero plan (version {PLAN_VERSION})",
+                    err, source, f"hetero plan (version {version if version in SUPPORTED_VERSIONS else PLAN_VERSION})",
                     "Fix these fields, or regenerate the plan with hetero-plan.",
                 )
             ) from None
@@ -216,9 +140,22 @@ class Plan(BaseModel):
             raise PlanError(f"{path} cannot be read as a plan: {err}; regenerate it with hetero-plan") from None
         return cls.from_dict(data, source=str(path))
 
+    @classmethod
+    def of_templates(cls, templates: list[TemplateEntry], *, micro_batch_size: int, rank_order: list[int],
+                     devices: list[DeviceEntry], **fields) -> "Plan":
+        """A plan of these templates: one is written at the top level (version 3), several
+        under ``templates`` (version 4)."""
+        if len(templates) == 1:
+            template = templates[0]
+            layout = {name: getattr(template, name) for name in ONE_TEMPLATE_FIELDS}
+            return cls(version=PLAN_VERSION, micro_batch_size=micro_batch_size, rank_order=rank_order,
+                       devices=devices, **layout, **fields)
+        return cls(version=TEMPLATES_VERSION, micro_batch_size=micro_batch_size, templates=templates,
+                   rank_order=rank_order, devices=devices, **fields)
+
     def to_dict(self) -> dict:
         """plan.json's content: layout fields without nulls, the record as given, unknown keys last."""
-        data = self.model_dump(mode="json", exclude_none=True, exclude=set(SECTIONS))
+        data = self.model_dump(mode="json", exclude_none=True, exclude=set(SECTIONS), by_alias=True)
         for axis in ("expert_parallel", "context_parallel"):
             if data[axis] == 1:  # a plan without the axis reads as before it existed
                 data.pop(axis)
@@ -233,7 +170,64 @@ class Plan(BaseModel):
         """Writes the plan atomically (a reader never sees half a file)."""
         write_json_atomic(path, self.to_dict())
 
+    # ----- templates --------------------------------------------------------------------
+
+    @property
+    def templates(self) -> list[TemplateEntry]:
+        """The replica templates (one for a plan of versions 1-3)."""
+        if self.listed_templates is not None:
+            return self.listed_templates
+        return [TemplateEntry(**{name: getattr(self, f"top_{name}") for name in ONE_TEMPLATE_FIELDS})]
+
+    @property
+    def num_templates(self) -> int:
+        return len(self.listed_templates) if self.listed_templates is not None else 1
+
+    def template(self, index: int) -> TemplateEntry:
+        return self.templates[index]
+
+    def template_of_replica(self, dp_rank: int) -> int:
+        """The template replica dp_rank (counted over every template) belongs to."""
+        return self.grid.template_of_replica(dp_rank)
+
+    def _one(self, name: str):
+        """Top-level field ``name`` of a one-template plan; on a plan of several, a PlanError."""
+        if self.listed_templates is None:
+            return getattr(self, f"top_{name}")
+        if len(self.listed_templates) == 1:
+            return getattr(self.listed_templates[0], name)
+        raise PlanError(f"this plan has {len(self.listed_templates)} replica templates, each with its own "
+                        f"{name}; what asked for one does not support several templates yet")
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self._one("tensor_parallel")
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self._one("pipeline_parallel")
+
+    @property
+    def stages(self) -> list[StageEntry]:
+        return self._one("stages")
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas over every template."""
+        return sum(t.data_parallel for t in self.templates)
+
+    @property
+    def replicas(self) -> list[ReplicaEntry]:
+        """Every template's replicas, in template order (replica d of the plan is entry d)."""
+        return [replica for t in self.templates for replica in t.replicas]
+
     # ----- derived facts ---------------------------------------------------------------
+
+    @property
+    def grid(self) -> Grid:
+        """The rank grid (hetero/grid.py) of the templates' shapes (one per shape, shared)."""
+        return grid_of(tuple(TemplateShape(t.stage_tensor_parallel, t.data_parallel) for t in self.templates),
+                       self.context_parallel, self.expert_parallel, self.expert_tensor_parallel)
 
     @property
     def stage_tensor_parallel(self) -> list[int]:
@@ -246,22 +240,24 @@ class Plan(BaseModel):
         return len(set(self.stage_tensor_parallel)) > 1
 
     @property
-    def max_tensor_parallel(self) -> int:
-        """The widest stage's degree: vocabulary padding follows it, so every plan of one model
-        trains the same (padded) vocabulary."""
-        return max(self.stage_tensor_parallel)
+    def megatron_grid(self) -> bool:
+        """Whether megatron-core's own grid describes the plan: one template whose stages share
+        one tensor-parallel degree (else the runtime builds the groups from the plan's grid)."""
+        return self.num_templates == 1 and len(set(self.templates[0].stage_tensor_parallel)) == 1
 
-    def stage_offset(self, pp_rank: int) -> int:
-        """The first logical rank of stage pp_rank."""
-        return self.data_parallel * self.context_parallel * sum(self.stage_tensor_parallel[:pp_rank])
+    @property
+    def max_tensor_parallel(self) -> int:
+        """The widest stage's degree over every template: vocabulary padding follows it, so
+        every plan of one model trains the same (padded) vocabulary."""
+        return max(max(t.stage_tensor_parallel) for t in self.templates)
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.context_parallel * sum(self.stage_tensor_parallel)
+        return sum(self.context_parallel * t.data_parallel * sum(t.stage_tensor_parallel) for t in self.templates)
 
     @property
     def num_layers(self) -> int:
-        return sum(stage.num_layers for stage in self.stages)
+        return self.templates[0].num_layers
 
     @property
     def num_micro_batches(self) -> int:
@@ -272,112 +268,11 @@ class Plan(BaseModel):
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.num_micro_batches
 
-    # ----- logical-rank arithmetic (the one place that knows Megatron's rank order) -----
+    # ----- launch ranks (logical ranks: plan.grid, hetero/grid.py) ---------------------
 
-    def coords(self, logical_rank: int) -> RankCoords:
-        if not 0 <= logical_rank < self.world_size:
-            raise ValueError(f"logical rank {logical_rank} is outside 0..{self.world_size - 1}")
-        pp_rank = 0
-        while logical_rank >= self.stage_offset(pp_rank + 1):
-            pp_rank += 1
-        tp, local = self.stage_tensor_parallel[pp_rank], logical_rank - self.stage_offset(pp_rank)
-        cp = self.context_parallel
-        return RankCoords(tp_rank=local % tp, dp_rank=local // (tp * cp), pp_rank=pp_rank, cp_rank=local // tp % cp)
-
-    def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
-        """The logical rank of tensor rank tp_rank, context rank cp_rank of replica dp_rank in
-        stage pp_rank."""
-        degrees = self.stage_tensor_parallel
-        if not (0 <= tp_rank < degrees[pp_rank] and 0 <= dp_rank < self.data_parallel
-                and 0 <= cp_rank < self.context_parallel):
-            raise ValueError(f"stage {pp_rank} has tensor ranks 0..{degrees[pp_rank] - 1}, context ranks "
-                             f"0..{self.context_parallel - 1} and replicas 0..{self.data_parallel - 1}; "
-                             f"asked for ({tp_rank}, {cp_rank}, {dp_rank})")
-        return logical_rank_at(tp_rank, dp_rank, pp_rank, degrees, self.data_parallel, cp_rank, self.context_parallel)
-
-    def tensor_group(self, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> list[int]:
-        """Logical ranks of one (replica, stage, context rank): its tensor-parallel group."""
-        return [self.rank_at(t, dp_rank, pp_rank, cp_rank) for t in range(self.stage_tensor_parallel[pp_rank])]
-
-    def context_group(self, tp_rank: int, dp_rank: int, pp_rank: int) -> list[int]:
-        """Logical ranks that split the sequences of one replica: its context-parallel group."""
-        return [self.rank_at(tp_rank, dp_rank, pp_rank, c) for c in range(self.context_parallel)]
-
-    def data_group(self, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> list[int]:
-        """Logical ranks that hold the same weights and sequence chunks: one per replica (the
-        gradients reduce over these times the context group)."""
-        return [self.rank_at(tp_rank, d, pp_rank, cp_rank) for d in range(self.data_parallel)]
-
-    def pipeline_group(self, tp_rank: int, dp_rank: int, cp_rank: int = 0) -> list[int]:
-        """Logical ranks of one replica's pipeline, stage by stage: tensor rank tp_rank of
-        each stage (modulo a narrower stage's degree, whose rank then serves several)."""
-        return [self.rank_at(tp_rank % tp, dp_rank, s, cp_rank) for s, tp in enumerate(self.stage_tensor_parallel)]
-
-    def replica_ranks(self, dp_rank: int) -> list[int]:
-        """Every logical rank of one replica (all its stages' tensor and context groups)."""
-        return [r for s in range(self.pipeline_parallel) for c in range(self.context_parallel)
-                for r in self.tensor_group(dp_rank, s, c)]
-
-    # ----- expert parallelism (megatron-core's expert grid, one per stage) -------------
-
-    def stage_expert_tensor_parallel(self, pp_rank: int) -> int:
-        """The expert tensor-parallel degree of stage pp_rank (default: the stage's degree)."""
-        return self.expert_tensor_parallel or self.stage_tensor_parallel[pp_rank]
-
-    def stage_expert_data_parallel(self, pp_rank: int) -> int:
-        """How many copies of each expert shard stage pp_rank holds: its ranks over EP x ETP."""
-        return (self.stage_tensor_parallel[pp_rank] * self.context_parallel * self.data_parallel
-                // (self.expert_parallel * self.stage_expert_tensor_parallel(pp_rank)))
-
-    def expert_rank_at(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
-        """The logical rank at (expert tensor, expert model, expert data) ranks of a stage."""
-        return self.stage_offset(pp_rank) + expert_local_rank(
-            etp_rank, ep_rank, edp_rank, self.stage_expert_tensor_parallel(pp_rank), self.expert_parallel)
-
-    def expert_groups(self, pp_rank: int) -> list[list[int]]:
-        """Stage pp_rank's expert model-parallel groups (logical ranks): the ranks that share
-        out the experts and exchange tokens in an all-to-all every micro-batch."""
-        etp = self.stage_expert_tensor_parallel(pp_rank)
-        return [[self.expert_rank_at(t, e, d, pp_rank) for e in range(self.expert_parallel)]
-                for d in range(self.stage_expert_data_parallel(pp_rank)) for t in range(etp)]
-
-    def expert_data_groups(self, pp_rank: int) -> list[list[int]]:
-        """Stage pp_rank's expert data-parallel groups: the ranks holding the same expert shard,
-        which reduce its gradients (and share its distributed-optimizer state)."""
-        etp = self.stage_expert_tensor_parallel(pp_rank)
-        return [[self.expert_rank_at(t, e, d, pp_rank) for d in range(self.stage_expert_data_parallel(pp_rank))]
-                for e in range(self.expert_parallel) for t in range(etp)]
-
-    def expert_tensor_groups(self, pp_rank: int) -> list[list[int]]:
-        """Stage pp_rank's expert tensor-parallel groups: the ranks that split one expert."""
-        etp = self.stage_expert_tensor_parallel(pp_rank)
-        return [[self.expert_rank_at(t, e, d, pp_rank) for t in range(etp)]
-                for d in range(self.stage_expert_data_parallel(pp_rank)) for e in range(self.expert_parallel)]
-
-    def expert_replica_blocks(self) -> list[list[int]]:
-        """The replicas bound to run equal micro-batch counts: those whose ranks share an
-        expert-parallel group (in any stage, transitively), as lists of replica indices."""
-        block_of = list(range(self.data_parallel))
-
-        def root(replica: int) -> int:
-            while block_of[replica] != replica:
-                replica = block_of[replica]
-            return replica
-
-        for pp_rank, tensor_parallel in enumerate(self.stage_tensor_parallel):
-            per_replica = tensor_parallel * self.context_parallel  # a replica's ranks in the stage
-            for group in self.expert_groups(pp_rank):
-                replicas = [(rank - self.stage_offset(pp_rank)) // per_replica for rank in group]
-                for replica in replicas[1:]:
-                    block_of[root(replica)] = root(replicas[0])
-        blocks: dict[int, list[int]] = {}
-        for replica in range(self.data_parallel):
-            blocks.setdefault(root(replica), []).append(replica)
-        return list(blocks.values())
-
-    def stage_device(self, dp_rank: int, pp_rank: int) -> "DeviceEntry":
+    def stage_device(self, dp_rank: int, pp_rank: int) -> DeviceEntry:
         """The device of tensor rank 0 of one (replica, stage)."""
-        return self.device_of_logical(self.rank_at(0, dp_rank, pp_rank))
+        return self.device_of_logical(self.grid.rank_at(0, dp_rank, pp_rank))
 
     def logical_rank(self, launch_rank: int) -> int:
         return self.rank_order.index(launch_rank)
@@ -404,11 +299,11 @@ class Plan(BaseModel):
             )
         total = global_batch_size // self.micro_batch_size
         weights = [replica.num_micro_batches for replica in self.replicas]
-        blocks = self.expert_replica_blocks()
+        blocks = self.grid.expert_replica_blocks
         if all(len(block) == 1 for block in blocks):
             counts = split_in_proportion(total, weights)
         else:
-            counts = _split_in_equal_blocks(total, weights, blocks, global_batch_size)
+            counts = split_in_equal_blocks(total, weights, blocks, global_batch_size)
         if min(counts) == 0:
             raise PlanError(
                 f"a global batch of {global_batch_size} samples ({total} micro-batches) leaves "
@@ -448,6 +343,22 @@ class Plan(BaseModel):
                 groups.append((device.host, []))
             groups[-1][1].append(launch_rank)
         return groups
+
+    def template_plan(self, index: int) -> "Plan":
+        """Template ``index`` as a plan of its own (version 3): its stages, its replicas, the
+        devices of its ranks in launch order; the record's model and training kept (the
+        prediction and the cluster are the whole plan's). For what is asked of one pipeline
+        shape: a stage's recomputation, degree and layers, a template's prediction."""
+        ranks = self.grid.template_ranks(index)
+        launch = sorted(self.rank_order[r] for r in ranks)
+        position = {rank: i for i, rank in enumerate(launch)}
+        template = self.templates[index]
+        return Plan.of_templates(
+            [template], micro_batch_size=self.micro_batch_size,
+            rank_order=[position[self.rank_order[r]] for r in ranks],
+            devices=[self.devices[r] for r in launch], expert_parallel=self.expert_parallel,
+            expert_tensor_parallel=self.expert_tensor_parallel, context_parallel=self.context_parallel,
+            model=self.model, training=self.training)
 
     @classmethod
     def uniform(
@@ -514,124 +425,25 @@ class Plan(BaseModel):
                 "Change the flags named (or give a --hetero-plan).")) from None
 
     def summary(self) -> str:
-        stages = ",".join(
-            "+".join(map(str, s.virtual_stages)) if s.virtual_stages else str(s.num_layers)
-            for s in self.stages)
-        replicas = ",".join(str(r.num_micro_batches) for r in self.replicas)
-        tp = ("[" + ",".join(map(str, self.stage_tensor_parallel)) + "]" if self.per_stage_tensor_parallel
-              else str(self.tensor_parallel))
-        if self.expert_parallel > 1 or self.expert_tensor_parallel is not None:
-            tp += f" EP={self.expert_parallel} ETP={self.expert_tensor_parallel or tp}"
-        if self.context_parallel > 1:
-            tp += f" CP={self.context_parallel}"
-        return (
-            f"TP={tp} PP={self.pipeline_parallel} DP={self.data_parallel} "
-            f"micro-batch={self.micro_batch_size} layers per stage=[{stages}] "
-            f"micro-batches per replica=[{replicas}] global batch={self.global_batch_size}"
-        )
+        """One line: the degrees, the layers per stage and the micro-batches per replica (one
+        part per template)."""
+        parts = []
+        for template in self.templates:
+            stages = ",".join("+".join(map(str, s.virtual_stages)) if s.virtual_stages else str(s.num_layers)
+                              for s in template.stages)
+            replicas = ",".join(str(r.num_micro_batches) for r in template.replicas)
+            degrees = template.stage_tensor_parallel
+            tp = "[" + ",".join(map(str, degrees)) + "]" if len(set(degrees)) > 1 else str(template.tensor_parallel)
+            if self.expert_parallel > 1 or self.expert_tensor_parallel is not None:
+                tp += f" EP={self.expert_parallel} ETP={self.expert_tensor_parallel or tp}"
+            if self.context_parallel > 1:
+                tp += f" CP={self.context_parallel}"
+            parts.append(f"TP={tp} PP={template.pipeline_parallel} DP={template.data_parallel} "
+                         f"layers per stage=[{stages}] micro-batches per replica=[{replicas}]")
+        if len(parts) == 1:
+            layout = parts[0].split(" layers per stage")
+            return (f"{layout[0]} micro-batch={self.micro_batch_size} layers per stage{layout[1]} "
+                    f"global batch={self.global_batch_size}")
+        return (" | ".join(f"template {k}: {part}" for k, part in enumerate(parts))
+                + f" | micro-batch={self.micro_batch_size} global batch={self.global_batch_size}")
 
-
-def logical_rank_at(tp_rank: int, dp_rank: int, pp_rank: int, tensor_parallel: int | Sequence[int],
-                    data_parallel: int, cp_rank: int = 0, context_parallel: int = 1) -> int:
-    """Megatron's default order: tensor fastest, then context, then data, then pipeline; with
-    a degree per stage (tensor_parallel a list), stage s starts after the ranks of the stages
-    before it. For code that builds a plan's rank_order before the plan exists (placement);
-    everyone else asks the Plan."""
-    degrees = [tensor_parallel] * (pp_rank + 1) if isinstance(tensor_parallel, int) else tensor_parallel
-    return (data_parallel * context_parallel * sum(degrees[:pp_rank])
-            + tp_rank + degrees[pp_rank] * (cp_rank + context_parallel * dp_rank))
-
-
-def _split_in_equal_blocks(total: int, weights: list[int], blocks: list[list[int]],
-                           global_batch_size: int) -> list[int]:
-    """total micro-batches in proportion to weights, equal inside each block: each block's
-    replicas get the floor of their share, then whole blocks one more each by largest
-    remainder (ties to the lower replica) while micro-batches are left for a whole block."""
-    whole = sum(weights)
-    shares = [Fraction(total * weights[block[0]], whole) for block in blocks]
-    per_replica = [math.floor(share) for share in shares]
-    left = total - sum(n * len(block) for n, block in zip(per_replica, blocks))
-    for index in sorted(range(len(blocks)), key=lambda i: (-(shares[i] - per_replica[i]), blocks[i][0])):
-        if 0 < len(blocks[index]) <= left:
-            per_replica[index] += 1
-            left -= len(blocks[index])
-    if left:
-        raise PlanError(
-            f"a global batch of {global_batch_size} samples ({total} micro-batches) cannot be split "
-            f"between the replicas in proportion to {weights} with equal counts inside each "
-            f"expert-parallel block of replicas {blocks} (its all-to-all runs every micro-batch); "
-            f"use --rampup-batch-size START and INCREMENT of multiples of "
-            f"{math.lcm(*map(len, blocks))} micro-batches")
-    counts = [0] * len(weights)
-    for n, block in zip(per_replica, blocks):
-        for replica in block:
-            counts[replica] = n
-    return counts
-
-
-def expert_local_rank(etp_rank: int, ep_rank: int, edp_rank: int, expert_tensor_parallel: int,
-                      expert_parallel: int) -> int:
-    """megatron-core's expert order inside one stage (expert tensor fastest, then expert
-    model, then expert data), counted from the stage's first logical rank."""
-    return etp_rank + expert_tensor_parallel * (ep_rank + expert_parallel * edp_rank)
-
-
-def expert_parallel_problems(stage_tensor_parallel: Sequence[int], replica_micro_batches: Sequence[int],
-                             expert_parallel: int, expert_tensor_parallel: int | None = None,
-                             context_parallel: int = 1) -> list[str]:
-    """What is wrong with expert parallelism on this layout (empty: nothing), for Plan's
-    validation and for a planner choosing replica shares before it builds a Plan.
-
-    Each stage's TP x CP x DP ranks must split into EP x ETP blocks (megatron-core's expert grid).
-    Each expert model-parallel group runs an all-to-all in every micro-batch's forward and
-    backward, so the replicas its ranks belong to must run equally many micro-batches; a
-    replica with more would wait forever for the others' next all-to-all.
-    """
-    data_parallel = len(replica_micro_batches)
-    if expert_parallel == 1 and expert_tensor_parallel is None:
-        return []
-    problems = []
-    copies = [tp * context_parallel * data_parallel // (expert_parallel * (expert_tensor_parallel or tp))
-              for tp in stage_tensor_parallel]
-    if len(set(copies)) > 1:
-        # megatron-core's expert optimizer reduces over one expert grid through the pipeline
-        # (its expert tensor-model-pipeline group): one copy of each stage's experts per group.
-        problems.append(
-            f"expert_tensor_parallel {expert_tensor_parallel} with tensor_parallel {list(stage_tensor_parallel)} "
-            f"per stage gives the stages {copies} copies of their experts, which megatron-core's expert "
-            "groups through the pipeline cannot pair; leave expert_tensor_parallel unset (each stage "
-            "splits its experts as its tensor-parallel degree) or give every stage one degree")
-    for pp_rank, tensor_parallel in enumerate(stage_tensor_parallel):
-        etp = expert_tensor_parallel or tensor_parallel
-        per_replica = tensor_parallel * context_parallel  # a replica's ranks in the stage
-        ranks = per_replica * data_parallel
-        if expert_parallel == 1 and etp != tensor_parallel:
-            # megatron-core marks experts as expert-parallel parameters only with EP > 1; with
-            # EP 1 their gradients are reduced over the data-parallel group alone, missing the
-            # other tensor ranks that then hold copies of the same experts.
-            problems.append(
-                f"expert_tensor_parallel {etp} differs from stage {pp_rank}'s tensor_parallel "
-                f"{tensor_parallel} with expert_parallel 1, which megatron-core does not train "
-                "correctly; set expert_parallel above 1 or expert_tensor_parallel to the stage's degree")
-            continue
-        if ranks % (expert_parallel * etp):
-            problems.append(
-                f"expert_parallel {expert_parallel} x expert_tensor_parallel {etp} = {expert_parallel * etp} "
-                f"does not divide stage {pp_rank}'s {ranks} ranks (tensor_parallel {tensor_parallel} x "
-                + (f"context_parallel {context_parallel} x " if context_parallel > 1 else "")
-                + f"data_parallel {data_parallel}); choose degrees whose product divides it")
-            continue
-        for edp_rank in range(ranks // (expert_parallel * etp)):
-            for etp_rank in range(etp):
-                members = [expert_local_rank(etp_rank, e, edp_rank, etp, expert_parallel)
-                           for e in range(expert_parallel)]
-                replicas = sorted({local // per_replica for local in members})
-                counts = [replica_micro_batches[r] for r in replicas]
-                if len(set(counts)) > 1:
-                    return problems + [
-                        f"expert_parallel {expert_parallel}: an expert-parallel group of stage {pp_rank} "
-                        f"spans replicas {replicas}, which run {counts} micro-batches; its ranks exchange "
-                        "tokens in every micro-batch, so the replica with fewer would leave the others "
-                        "waiting forever. Give the replicas of each expert-parallel group equal "
-                        "micro-batch counts (hetero-plan does), or lower expert_parallel"]
-    return problems

@@ -85,6 +85,26 @@ class ReplicaEntry(_Entry):
         default=None, description="informational (hetero-plan): the device types of this replica")
 
 
+class TemplateEntry(_Entry):
+    """One replica template (version 4): a pipeline shape and the replicas that run it. Its
+    fields are those a one-template plan (versions 1-3) gives at its top level."""
+
+    tensor_parallel: Count = Field(description="the template's tensor-parallel degree (a stage may have its own)")
+    pipeline_parallel: Count = Field(description="pipeline stages of this template; stages has this many entries")
+    data_parallel: Count = Field(description="replicas of this template; replicas has this many entries")
+    stages: list[StageEntry] = Field(min_length=1)
+    replicas: list[ReplicaEntry] = Field(min_length=1)
+
+    @property
+    def stage_tensor_parallel(self) -> tuple[int, ...]:
+        """Each stage's tensor-parallel degree (its own, else the template's)."""
+        return tuple(stage.tensor_parallel or self.tensor_parallel for stage in self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(stage.num_layers for stage in self.stages)
+
+
 class DeviceEntry(_Entry):
     host: str = Field(min_length=1, description="node the launch rank runs on")
     device_type: str = Field(min_length=1, description="catalog name, e.g. A100-40GB, or cpu")

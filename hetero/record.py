@@ -39,7 +39,7 @@ import math
 from datetime import datetime
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, model_validator
 
 from hetero.errors import HeteroError
 from hetero.spec.cluster import Cluster, ClusterSpec
@@ -138,7 +138,10 @@ class ModelRecord(_Section):
     qk_head_dim: Dimension = 128
     qk_pos_emb_head_dim: Dimension = 64
     v_head_dim: Dimension = 128
-    window_size: tuple[Annotated[int, Field(strict=True, ge=-1)], Annotated[int, Field(strict=True, ge=-1)]] | None = Field(
+    # A JSON array of two (a list in Python) read as the pair it is: strict mode refuses a list
+    # where a tuple is declared, which every plan from JSON would give.
+    window_size: Annotated[tuple[Annotated[int, Field(strict=True, ge=-1)], Annotated[int, Field(strict=True, ge=-1)]],
+                           BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] | None = Field(
         default=None, description="sliding-window attention: keys before and after a query (--window-size); "
         "null: full attention")
     window_attn_skip_freq: Dimension | list[Literal[0, 1]] | None = Field(
@@ -172,7 +175,7 @@ class ModelRecord(_Section):
 
 class TrainingRecord(_Section):
     """``training``: how the job runs beyond the layout. Every field but global_batch_size,
-    seq_length and precision_reason is a field of hetero.predict.costs.TrainingSetup (with
+    seq_length and precision_reason is a field of hetero.predict.training_setup.TrainingSetup (with
     its default): the settings the prediction assumed."""
 
     global_batch_size: Annotated[int, Field(strict=True, ge=1, le=MAX_DIMENSION)]
@@ -203,8 +206,14 @@ class TrainingRecord(_Section):
                                   "another micro-batch's compute (--overlap-moe-expert-parallel-comm); the "
                                   "runtime does not switch it on")
     precision_reason: str | None = Field(default=None, description="why this precision, for a person")
+    tokenizer_vocab_size: Dimension | None = Field(
+        default=None, description="the tokenizer's vocabulary before padding (plans from Megatron flags)")
+    make_vocab_size_divisible_by: Dimension | None = Field(
+        default=None, description="the --make-vocab-size-divisible-by that pads it to the model's vocab_size "
+        "at this plan's tensor-parallel degrees")
 
-    JOB_FIELDS: ClassVar[tuple[str, ...]] = ("global_batch_size", "seq_length", "precision_reason")
+    JOB_FIELDS: ClassVar[tuple[str, ...]] = ("global_batch_size", "seq_length", "precision_reason",
+                                             "tokenizer_vocab_size", "make_vocab_size_divisible_by")
     """The fields that are not TrainingSetup's."""
 
     def setup_fields(self) -> dict:

@@ -16,9 +16,9 @@ from hetero.plan import Plan
 from hetero.predict.predictor import Prediction
 
 
-def _replica_groups(plan: Plan) -> list[tuple[int, str, int]]:
+def _replica_groups(replicas) -> list[tuple[int, str, int]]:
     """(count, devices, micro-batches) of identical replicas, in order of appearance."""
-    keys = [(" + ".join(r.device_types or ["?"]), r.num_micro_batches) for r in plan.replicas]
+    keys = [(" + ".join(r.device_types or ["?"]), r.num_micro_batches) for r in replicas]
     counts = Counter(keys)
     seen, out = set(), []
     for key in keys:
@@ -53,20 +53,27 @@ def summary(plan: Plan, prediction: Prediction, cluster: Cluster, title: str) ->
         if training.precision_reason:
             lines.append(f"precision  {training.precision_reason}")
     family = provenance.family if provenance is not None else None
-    lines.append(
-        f"layout     TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel}"
-        + (f" EP={plan.expert_parallel}" if plan.expert_parallel > 1 else "")
-        + (f" ETP={plan.expert_tensor_parallel}" if plan.expert_tensor_parallel is not None else "") + ", "
-        f"micro-batch {plan.micro_batch_size}" + (f", {family} replicas" if family else "")
-    )
-    lines.append("stages     stage  layers  recompute  devices")
-    for s, stage in enumerate(plan.stages):
-        devices = ", ".join(stage.device_types or [])
-        recompute = stage.recompute_mode() or (training.recompute if training is not None else "none")
-        lines.append(f"           {s:5d}  {stage.num_layers:6d}  {recompute:9s}  {devices}")
-    lines.append("replicas   count  micro-batches  devices")
-    for count, devices, micro in _replica_groups(plan):
-        lines.append(f"           {count:5d}  {micro:13d}  {devices}")
+    several = plan.num_templates > 1
+    if several:
+        lines.append(f"layout     {plan.num_templates} replica templates, micro-batch {plan.micro_batch_size}"
+                     + (f", {family} replicas" if family else ""))
+    for k, template in enumerate(plan.templates):
+        shape = (f"TP={_degrees(template)} PP={template.pipeline_parallel} DP={template.data_parallel}"
+                 + (f" EP={plan.expert_parallel}" if plan.expert_parallel > 1 else "")
+                 + (f" ETP={plan.expert_tensor_parallel}" if plan.expert_tensor_parallel is not None else ""))
+        if several:
+            lines.append(f"template {k} {shape}")
+        else:
+            lines.append(f"layout     {shape}, micro-batch {plan.micro_batch_size}"
+                         + (f", {family} replicas" if family else ""))
+        lines.append("stages     stage  layers  recompute  devices")
+        for s, stage in enumerate(template.stages):
+            devices = ", ".join(stage.device_types or [])
+            recompute = stage.recompute_mode() or (training.recompute if training is not None else "none")
+            lines.append(f"           {s:5d}  {stage.num_layers:6d}  {recompute:9s}  {devices}")
+        lines.append("replicas   count  micro-batches  devices")
+        for count, devices, micro in _replica_groups(template.replicas):
+            lines.append(f"           {count:5d}  {micro:13d}  {devices}")
     lines.append("devices    type                count  used  TFLOPS/device  peak memory  capacity  headroom")
     used = Counter(d.device_type for d in plan.devices)
     for device_type, count in cluster.device_counts().items():
@@ -122,20 +129,37 @@ Span = tuple[str, float, float]  # kind, start s, end s
 
 
 def _shown_replicas(plan: Plan, prediction: Prediction, max_replicas: int) -> list[int]:
+    """One replica per distinct timeline, every template's first ones among them."""
     shown, seen = [], set()
-    for d, ops in prediction.timelines.items():  # one row set per distinct replica
-        if id(ops) not in seen:
-            seen.add(id(ops))
-            shown.append(d)
-        if len(shown) == max_replicas:
-            break
+    per_template = max(1, max_replicas // plan.num_templates)
+    for k in range(plan.num_templates):
+        first = plan.grid.replica_offsets[k]
+        taken = 0
+        for d in range(first, plan.grid.replica_offsets[k + 1]):  # one row set per distinct replica
+            ops = prediction.timelines[d]
+            if id(ops) not in seen:
+                seen.add(id(ops))
+                shown.append(d)
+                taken += 1
+            if taken == per_template:
+                break
     return shown
 
 
-def _predicted_spans(prediction: Prediction, d: int, s: int) -> list[Span]:
+def _stage_index(plan: Plan, d: int, s: int) -> int:
+    """Where replica d's stage s is in a prediction's stage lists (every template's stages,
+    template by template)."""
+    k = plan.template_of_replica(d)
+    return sum(t.pipeline_parallel for t in plan.templates[:k]) + s
+
+
+def _predicted_spans(plan: Plan, prediction: Prediction, d: int, s: int) -> list[Span]:
     spans = [(op.kind, op.start, op.end) for op in prediction.timelines[d][s]]
-    # The reduction completes only when the stage's last replica joins.
-    spans.append(("reduce", prediction.stage_end_s[s], prediction.stage_end_s[s] + prediction.reduce_s[s]))
+    # The reduction completes only when the stage's last replica joins (with several templates,
+    # the last replica of any template).
+    i = _stage_index(plan, d, s)
+    start = prediction.stage_end_s[i] if prediction.reduction_start_s is None else prediction.reduction_start_s
+    spans.append(("reduce", start, start + prediction.reduce_s[i]))
     step_start = prediction.iteration_time_s - prediction.optimizer_s
     spans.append(("step", step_start, prediction.iteration_time_s))
     return spans
@@ -143,8 +167,18 @@ def _predicted_spans(prediction: Prediction, d: int, s: int) -> list[Span]:
 
 def _row_label(plan: Plan, d: int, s: int) -> str:
     stage_device = plan.stage_device(d, s).device_type
-    return (f"replica {d} stage {s} ({stage_device}, {plan.stages[s].num_layers} layers, "
+    k = plan.template_of_replica(d)
+    where = f"template {k} " if plan.num_templates > 1 else ""
+    return (f"{where}replica {d} stage {s} ({stage_device}, {plan.template(k).stages[s].num_layers} layers, "
             f"{plan.replicas[d].num_micro_batches} mb)")
+
+
+def _rows(plan: Plan, replicas: Sequence[int]) -> list[tuple[int, int]]:
+    return [(d, s) for d in replicas for s in range(plan.template(plan.template_of_replica(d)).pipeline_parallel)]
+
+
+def _layout_title(plan: Plan) -> str:
+    return " | ".join(f"TP={_degrees(t)} PP={t.pipeline_parallel} DP={t.data_parallel}" for t in plan.templates)
 
 
 def _draw(ax, rows: list[list[Span]], labels: list[str], title: str) -> None:
@@ -181,12 +215,11 @@ def _pyplot():
 def timeline_png(plan: Plan, prediction: Prediction, path: str | Path, max_replicas: int = 4) -> Path:
     """Gantt chart of one predicted iteration: forward, backward, gradient reduction, step."""
     plt = _pyplot()
-    rows = [(d, s) for d in _shown_replicas(plan, prediction, max_replicas) for s in range(plan.pipeline_parallel)]
+    rows = _rows(plan, _shown_replicas(plan, prediction, max_replicas))
     height = 0.45 * len(rows) + 1.6
     fig, ax = plt.subplots(figsize=(12, height))
-    _draw(ax, [_predicted_spans(prediction, d, s) for d, s in rows], [_row_label(plan, d, s) for d, s in rows],
-          f"Predicted iteration: {prediction.iteration_time_s:.3f} s "
-          f"(TP={_degrees(plan)} PP={plan.pipeline_parallel} DP={plan.data_parallel})")
+    _draw(ax, [_predicted_spans(plan, prediction, d, s) for d, s in rows], [_row_label(plan, d, s) for d, s in rows],
+          f"Predicted iteration: {prediction.iteration_time_s:.3f} s ({_layout_title(plan)})")
     ax.set_xlabel("seconds")
     return _save(fig, path, height)
 
@@ -196,17 +229,16 @@ def measured_timeline_png(plan: Plan, prediction: Prediction, traces: list[dict]
     """A measured iteration (megatron.hetero.tracing) above its prediction, same rows and axis."""
     plt = _pyplot()
     traced = {(t["dp_rank"], t["pp_rank"]): t for t in traces if t["tp_rank"] == 0}
-    rows = [(d, s) for d in range(plan.data_parallel) for s in range(plan.pipeline_parallel)
-            if (d, s) in traced][: max_replicas * plan.pipeline_parallel]
+    rows = [row for row in _rows(plan, range(plan.data_parallel)) if row in traced]
+    rows = rows[: max_replicas * max(t.pipeline_parallel for t in plan.templates)]
     measured = [[(kind, start, end) for kind, _, start, end in traced[row]["spans"]] for row in rows]
     measured_end = max((end for spans in measured for _, _, end in spans), default=0.0)
     height = 2 * (0.45 * len(rows) + 0.8) + 0.8
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, height), sharex=True)
     labels = [_row_label(plan, d, s) for d, s in rows]
     _draw(top, measured, labels, f"Measured iteration: {measured_end:.3f} s (emulated cluster)")
-    _draw(bottom, [_predicted_spans(prediction, d, s) for d, s in rows], labels,
-          f"Predicted: {prediction.iteration_time_s:.3f} s (TP={_degrees(plan)} "
-          f"PP={plan.pipeline_parallel} DP={plan.data_parallel})")
+    _draw(bottom, [_predicted_spans(plan, prediction, d, s) for d, s in rows], labels,
+          f"Predicted: {prediction.iteration_time_s:.3f} s ({_layout_title(plan)})")
     bottom.set_xlabel("seconds")
     return _save(fig, path, height)
 
@@ -255,6 +287,7 @@ def memory_table(prediction: Prediction) -> str:
     return "\n".join(lines)
 
 
-def _degrees(plan: Plan) -> str:
-    """The tensor-parallel degree, or each stage's (plan version 3)."""
-    return "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else str(plan.tensor_parallel)
+def _degrees(template) -> str:
+    """A template's tensor-parallel degree, or each stage's (plan version 3)."""
+    degrees = template.stage_tensor_parallel
+    return "/".join(map(str, degrees)) if len(set(degrees)) > 1 else str(degrees[0])

@@ -42,24 +42,35 @@ def precision_problems(precision: str, device_types: Iterable[str],
 
 def model_problems(plan: Plan, model: ModelSpec) -> list[str]:
     """What the plan's tensor-parallel degrees cannot shard in this model, and the model
-    features a degree per stage cannot run yet."""
+    features a degree per stage or several replica templates cannot run yet."""
     problems = []
     groups = model.num_query_groups or model.num_attention_heads
     ffn = model.ffn_hidden_size
-    for tp in sorted(set(plan.stage_tensor_parallel)):
-        where = " of a stage of the plan" if plan.per_stage_tensor_parallel else ""
+    degrees = sorted({tp for t in plan.templates for tp in t.stage_tensor_parallel})
+    several = plan.num_templates > 1
+    per_stage = not several and len(degrees) > 1
+    for tp in degrees:
+        where = " of a stage of the plan" if per_stage else " of a template of the plan" if several else ""
         for name, value in (("--num-attention-heads", model.num_attention_heads),
                             ("--num-query-groups", groups), ("--ffn-hidden-size", ffn)):
             if value is not None and value % tp:
                 problems.append(f"{name} {value} is not divisible by the tensor-parallel size {tp}{where}; "
                                 f"plan with degrees that divide it (hetero-plan --tensor-parallel ...) or change the model")
+    if several:
+        unsupported = [name for name, used in (("--num-experts (a mixture of experts)", model.num_experts is not None),
+                                               ("--mtp-num-layers (multi-token prediction)", model.mtp_num_layers))
+                       if used]
+        if unsupported:
+            problems.append(f"{' and '.join(unsupported)} with several replica templates: not supported yet; "
+                            "use a plan of one template for this model")
+        return problems
     if model.num_experts is not None:
-        for etp in sorted({plan.stage_expert_tensor_parallel(s) for s in range(plan.pipeline_parallel)}):
+        for etp in sorted({plan.grid.stage_expert_tensor_parallel(s) for s in range(plan.pipeline_parallel)}):
             if model.moe_ffn_hidden_size % etp:
                 problems.append(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by the expert "
                                 f"tensor-parallel size {etp}; plan with an expert tensor-parallel degree that "
                                 "divides it (--expert-tensor-parallel-size) or change the model")
-    if plan.per_stage_tensor_parallel and model.mtp_num_layers:
+    if per_stage and model.mtp_num_layers:
         problems.append("--mtp-num-layers with a tensor-parallel degree per stage: the last stage's copy of "
                         "the word embeddings, which the multi-token-prediction layers read, is kept in step "
                         "with the first stage's only at one degree; give every stage the same degree")

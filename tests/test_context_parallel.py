@@ -158,21 +158,21 @@ def test_plan_context_groups_are_megatron_cores(tp, cp, pp, dp):
     assert plan.world_size == world
     grid = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
     ours = {
-        "tp": [plan.tensor_group(d, s, c) for s in range(pp) for d in range(dp) for c in range(cp)],
-        "cp": [plan.context_group(t, d, s) for s in range(pp) for d in range(dp) for t in range(tp)],
-        "dp": [plan.data_group(t, s, c) for s in range(pp) for c in range(cp) for t in range(tp)],
-        "pp": [plan.pipeline_group(t, d, c) for d in range(dp) for c in range(cp) for t in range(tp)],
+        "tp": [plan.grid.tensor_group(d, s, c) for s in range(pp) for d in range(dp) for c in range(cp)],
+        "cp": [plan.grid.context_group(t, d, s) for s in range(pp) for d in range(dp) for t in range(tp)],
+        "dp": [plan.grid.data_group(t, s, c) for s in range(pp) for c in range(cp) for t in range(tp)],
+        "pp": [plan.grid.pipeline_group(t, d, c) for d in range(dp) for c in range(cp) for t in range(tp)],
     }
     for token, groups in ours.items():
         assert sorted(groups) == sorted(grid.get_ranks(token)), token
     # megatron-core's expert grid spans each stage's TP x CP x DP ranks.
     expert = Plan.from_dict({**plan.to_dict(), "expert_parallel": 2})
     experts = RankGenerator(tp=tp, ep=2, dp=tp * cp * dp // (2 * tp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    for token, groups in (("ep", expert.expert_groups), ("dp", expert.expert_data_groups)):
+    for token, groups in (("ep", expert.grid.expert_groups), ("dp", expert.grid.expert_data_groups)):
         assert sorted(g for s in range(pp) for g in groups(s)) == sorted(experts.get_ranks(token)), token
     for rank in range(world):
-        c = plan.coords(rank)
-        assert plan.rank_at(c.tp_rank, c.dp_rank, c.pp_rank, c.cp_rank) == rank
+        c = plan.grid.coords(rank)
+        assert plan.grid.rank_at(c.tp_rank, c.dp_rank, c.pp_rank, c.cp_rank) == rank
 
 
 def test_plan_context_field_round_trips_and_refuses_what_it_cannot_run():
@@ -191,7 +191,7 @@ def test_plan_context_field_round_trips_and_refuses_what_it_cannot_run():
     # across replicas they run equal counts (the expert all-to-all of every micro-batch).
     experts = {**make_plan(tp=1, pp=1, dp=2, stages=[4], replicas=[5, 3], rank_order=[0, 1, 2, 3],
                            devices=[CPU] * 4), "context_parallel": 2}
-    assert Plan.from_dict({**experts, "expert_parallel": 2}).expert_groups(0) == [[0, 1], [2, 3]]
+    assert Plan.from_dict({**experts, "expert_parallel": 2}).grid.expert_groups(0) == [[0, 1], [2, 3]]
     with pytest.raises(PlanError, match=r"spans replicas \[0, 1\], which run \[5, 3\]"):
         Plan.from_dict({**experts, "expert_parallel": 4})
 

@@ -15,10 +15,12 @@ from conftest import GPT_MODEL, TRAINING
 from hetero.jobs import plan_job
 from hetero.spec.cluster import Cluster
 from hetero.predict.moe_overlap import LayerPair, compute_share_beside_communication, overlapped_pair_s
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.predict.efficiency import curve_for
 from hetero.errors import HeteroError
-from hetero.spec.model import ModelSpec, load_model
+from hetero.spec.model import ModelSpec
+from hetero.spec.presets import load_model
 from hetero.search.placement import place
 from hetero.pipeline_layout import SplitFlags
 from hetero.plan import Plan
@@ -26,7 +28,6 @@ from hetero.spec.profiles import ComputeProfile, Profiles, model_shape
 from hetero.search.options import PlannerOptions, plan_recompute
 from hetero.search.planner import Planner
 from hetero.predict.predictor import predict
-from hetero.predict.schedule import StageTiming
 from megatron.hetero.arguments import apply_plan, check_plan_model, parse_args, validate_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,12 +148,13 @@ def test_activation_memory_matches_the_paper(t):
 
 
 def test_interleaving_divides_the_bubble_by_the_virtual_stages():
-    from hetero.predict.predictor import simulate_pipelines
+    from hetero.predict.predictor import StageWork, simulate_pipelines
 
     p, m, v = 4, 8, 2
     plan = Plan.uniform(tensor_parallel=1, pipeline_parallel=p, data_parallel=1, micro_batch_size=1,
                         num_layers=8, global_batch_size=m)
-    timings = [[StageTiming(1.0, 2.0)] * p]
+    # equal stages of two layers, nothing beyond them, free transfers: Narayanan et al.'s bubble
+    timings = [[StageWork(2, 0.5, 1.0, 0.0, 0.0)] * p]
     plain, _ = simulate_pipelines(plan, timings, 1)
     interleaved, _ = simulate_pipelines(plan, timings, v)
     assert max(plain) == pytest.approx((m + p - 1) * 3)
@@ -487,9 +489,13 @@ def test_overlapped_exchange_of_unpaired_chunks_is_priced_alike_by_estimate_and_
         predicted = predict(plan, cluster, planner.costs_for(1, 2))
         assert fits == predicted.fits
         times[overlap] = estimate_s, predicted.iteration_time_s
+        # without its unpaired chunks' exchange the estimate of the overlap comes out 7% fast
+        assert estimate_s == pytest.approx(predicted.iteration_time_s, rel=0.04), times
     saved_estimate, saved_prediction = (1 - times[True][i] / times[False][i] for i in range(2))
     assert saved_prediction > 0
-    assert saved_estimate == pytest.approx(saved_prediction, rel=0.15), times
+    # The closed form's fill (1/v of plain 1F1B's) shrinks with the overlap; the simulated
+    # interleaved warm-up and cool-down, whose chunks run unpaired, hardly do.
+    assert saved_estimate == pytest.approx(saved_prediction, rel=0.35), times
 
 
 def test_group_limited_routing_reaches_at_most_the_chosen_groups_nodes():
@@ -507,3 +513,17 @@ def test_group_limited_routing_reaches_at_most_the_chosen_groups_nodes():
     assert flex.expert_exchange_s(hosts, 2, 1) < free.expert_exchange_s(hosts, 2, 1)
     # Groups that straddle nodes (a node holding half a group) limit nothing the model can count.
     assert flex._node_reached(1 / 16) == pytest.approx(1 - (15 / 16) ** 8)
+
+
+def test_a_reduce_scatter_on_gloo_costs_a_whole_all_reduce():
+    """torch's gloo backend (CPU processes) runs a reduce-scatter as an all-reduce of a copy
+    and keeps its shard; NCCL's is one phase. The distributed optimizer's gradient reduction
+    is a reduce-scatter, then the updated weights' all-gather (one phase either way)."""
+    model = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
+    setup = TrainingSetup("fp32", distributed_optimizer=True)
+    terms, params = (1e-9, 1e-3), 1e6
+    phase = params * 4 * terms[0] + terms[1]
+    on_cpus = CostModel(Cluster.load(ROOT / "examples" / "clusters" / "cpu_demo.yaml"), model, setup)
+    on_gpus = CostModel(_dgx_h100(2), model, setup)
+    assert on_cpus.gradient_sync(terms, params, 4) == pytest.approx(3 * phase)
+    assert on_gpus.gradient_sync(terms, params, 4) == pytest.approx(2 * phase)

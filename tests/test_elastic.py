@@ -159,3 +159,48 @@ def test_a_job_that_loses_a_node_finishes_on_the_other_as_a_hand_resume_would(tm
                            nproc=2, env={"HETERO_DEVICE": "cpu-fast", "HETERO_VENDOR": "cpu"}, timeout=300)
     assert by_hand.returncode == 0, by_hand.output[-3000:]
     assert by_hand.iteration_losses() == after_loss  # bit for bit
+
+
+@pytest.mark.slow
+def test_a_re_plan_at_another_tensor_parallel_degree_keeps_the_trained_vocabulary(tmp_path):
+    """A tokenizer of 1,101 tokens pads to 1,152 at TP 1 and to 1,280 at TP 2. Planned at TP 1,
+    trained and saved; planned again at TP 2 (as a re-plan after a lost node may choose), the
+    plan keeps the trained 1,152 rows (--make-vocab-size-divisible-by 64 gives them at TP 2,
+    and the restart passes it); the run resumes as one process continues the same training."""
+    import dataclasses
+    import json
+
+    from hetero.cli import main
+    from hetero.job import Job
+    from hetero.jobs import plan_for
+
+    flags = [*GPT_MODEL, *TRAINING, "--train-iters", "6"]
+    flags[flags.index("--vocab-size") + 1] = "1100"
+    fast_node = tmp_path / "fast_node.yaml"
+    spec = yaml.safe_load(CLUSTER.read_text())
+    spec["groups"][0]["nodes"] = spec["groups"][0]["nodes"][:1]
+    fast_node.write_text(yaml.safe_dump(spec))
+    first = tmp_path / "plan.json"
+    assert main(["--cluster", str(fast_node), "--tensor-parallel", "1", "--skip-baseline", "--skip-upper-bound",
+                 "--quiet", "-o", str(first), "--", *flags]) == 0
+    trained = Plan.load(first)
+    assert trained.max_tensor_parallel == 1 and trained.model.vocab_size == 1152
+    job = Job.of_record(trained)
+    again = plan_for(dataclasses.replace(job, options=dataclasses.replace(job.options, tensor_parallel=(2,))),
+                     with_baseline=False, with_upper_bound=False).plan
+    assert again.max_tensor_parallel == 2 and again.model.vocab_size == 1152
+    assert again.training.make_vocab_size_divisible_by == 64
+
+    device = {"HETERO_DEVICE": "cpu-fast", "HETERO_VENDOR": "cpu"}
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"]
+    saved = run_pretrain(flags + save + ["--exit-interval", "3"], nproc=2, plan=json.loads(first.read_text()),
+                         tmp_path=tmp_path, env=device)
+    assert saved.returncode == 0, saved.output[-3000:]
+    resumed = run_pretrain(with_load(flags + save, again), nproc=2, plan=again.to_dict(), tmp_path=tmp_path,
+                           env=device)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    reference = run_pretrain(flags).losses()
+    got = resumed.iteration_losses()
+    assert sorted(got) == [4, 5, 6]
+    for iteration, loss in got.items():
+        assert abs(loss - reference[iteration - 1]) <= 1e-4 * reference[iteration - 1], (iteration, loss, reference)

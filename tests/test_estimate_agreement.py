@@ -4,7 +4,7 @@ The search ranks every shape by FastEstimate and only the shortlist reaches pred
 the two disagree on what fits or on which of two plans is faster, the planner drops plans
 that predict() would have chosen. Candidates come from the planner's own enumeration (all
 three families, uniform and per-class degrees), drawn with a fixed seed, placed on devices
-and judged both ways.
+and judged both ways; plans of several replica templates come from the template search.
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ from scipy.stats import kendalltau
 
 from hetero.predict.predictor import expert_group_hosts, predict
 from hetero.search.expert_parallel import with_expert_parallel
-from hetero.search.options import PlannerOptions
+from hetero.search.options import PlannerOptions, device_classes
+from hetero.search.placement import place
+from hetero.spec.model import ModelSpec
 from hetero.search.planner import Planner
+from hetero.search.templates import TemplateSearch
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec.cluster import Cluster
-from hetero.spec.model import load_model
+from hetero.spec.presets import load_model
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 DRAWN = 40
@@ -63,6 +67,26 @@ def test_fast_estimate_agrees_with_predict(cluster_file: str, model_name: str, u
     assert worst < 0.15, f"fast estimate off predict() by {worst:.1%}"
 
 
+def test_interleaved_plans_fit_alike_in_the_estimate_and_predict() -> None:
+    """An interleaved pipeline keeps more micro-batches' activations in flight: the estimate of
+    a given plan prices its memory with the plan's own virtual stages, as predict() does. Two
+    nodes of 24 GB devices, a 3.6B-parameter model at sequence 4096, TP2 PP4, micro-batches
+    of two: it fits plain, not with two virtual stages."""
+    devices = {"small": {"vendor": "nvidia", "memory_gib": 24, "peak_tflops": 80, "memory_bandwidth_gbs": 1000}}
+    nodes = [{"host_prefix": "small", "num_nodes": 2, "device": "small", "count": 8, "intra_link": "nvlink3",
+              "nic": {"kind": "ib", "gbps": 800}}]
+    cluster = Cluster.from_dict({"name": "small", "devices": devices, "groups": [{"name": "g", "nodes": nodes}]})
+    model = ModelSpec(num_layers=32, hidden_size=3072, num_attention_heads=32, seq_length=4096, vocab_size=32000)
+    classes = device_classes(cluster)
+    fits = {}
+    for v in (1, 2):
+        plan = place(cluster, classes, 2, 2, [8] * 4, [(0,) * 4] * 2, [8] * 2, "replica-major", virtual_stages=v)
+        planner = Planner(cluster, model, plan.global_batch_size)
+        fits[v] = planner.estimate(plan)[0]
+        assert fits[v] == predict(plan, cluster, planner.costs_for(2, v)).fits
+    assert fits == {1: True, 2: False}
+
+
 def test_fast_estimate_agrees_with_predict_where_expert_groups_cross_nodes() -> None:
     """Expert parallelism 16 on nodes of 8 GPUs: every expert-parallel group spans nodes
     (and placement may spread it further). The search prices each group packed into as few
@@ -93,3 +117,36 @@ def test_fast_estimate_agrees_with_predict_where_expert_groups_cross_nodes() -> 
     # in the predictor group by group, in the estimate by the stage's count.
     worst = max(abs(e / p - 1) for e, p in zip(estimated, predicted))
     assert worst < 0.15, f"fast estimate off predict() by {worst:.1%}"
+
+
+@pytest.mark.parametrize("cluster_file, model_name, interleaved", [
+    ("sailor_like_128.yaml", "gpt-neo-2.7b", False),
+    ("holmes_like.yaml", "gpt-3.6b", True),
+])
+def test_the_fast_estimate_of_templated_plans_agrees_with_predict(cluster_file, model_name, interleaved):
+    """Mixes of the template search (one class-pure template per class, each on its own
+    shape, interleaved where it has three stages or more), placed and judged both ways: the
+    estimate is the predictor's cross-template reduction itself and the closed form of each
+    replica's schedule (1F1B, or interleaved)."""
+    cluster = Cluster.load(CLUSTERS / cluster_file)
+    model = load_model(model_name).with_seq_length(2048)
+    planner = Planner(cluster, model, 512, PlannerOptions(setup=TrainingSetup(precision="fp16")))
+    search = TemplateSearch(planner.estimator, planner.estimator.blocks.costs)
+    mixes = search.around([], 1, float("inf"))
+    assert len(mixes) >= 8
+    assert any(o.virtual_stages > 1 for _, chosen, _ in mixes for o in chosen) == interleaved
+    estimated, predicted = [], []
+    for _, chosen, counts in mixes:
+        plan = search.materialize(chosen, counts)
+        assert plan.num_templates == len(chosen) > 1
+        for k, option in enumerate(chosen):  # an interleaved template runs whole groups of its depth
+            template = plan.templates[k]
+            assert len(template.stages[0].virtual_stages or [1]) == option.virtual_stages
+            assert all(r.num_micro_batches % option.granularity == 0 for r in template.replicas)
+        fits, seconds = planner.estimate(plan)
+        prediction = predict(plan, cluster, planner.costs_for(plan.max_tensor_parallel))
+        assert fits == prediction.fits
+        estimated.append(seconds)
+        predicted.append(prediction.iteration_time_s)
+    assert kendalltau(estimated, predicted).statistic >= 0.9
+    assert max(abs(e / p - 1) for e, p in zip(estimated, predicted)) < 0.05

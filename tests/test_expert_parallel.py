@@ -36,8 +36,8 @@ def test_plan_expert_groups_are_megatron_cores(tp, pp, dp, ep, etp):
                  rank_order=list(range(tp * pp * dp))[::-1], expert_parallel=ep, expert_tensor_parallel=etp)
     expert_tp = etp or tp
     grid = RankGenerator(tp=expert_tp, ep=ep, dp=tp * dp // (ep * expert_tp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    for token, ours in (("ep", plan.expert_groups), ("dp", plan.expert_data_groups),
-                        ("tp", plan.expert_tensor_groups)):
+    for token, ours in (("ep", plan.grid.expert_groups), ("dp", plan.grid.expert_data_groups),
+                        ("tp", plan.grid.expert_tensor_groups)):
         assert sorted(g for s in range(pp) for g in ours(s)) == sorted(grid.get_ranks(token)), token
 
 
@@ -49,7 +49,7 @@ def test_plan_fields_load_old_plans_and_round_trip():
     with_experts = _plan(tp=2, pp=1, dp=2, stages=[4], replicas=[5, 3], rank_order=[3, 1, 2, 0],
                          expert_parallel=2, expert_tensor_parallel=1)
     # EP 2 x ETP 1 inside each replica's two tensor ranks: the replicas may differ.
-    assert with_experts.expert_groups(0) == [[0, 1], [2, 3]]
+    assert with_experts.grid.expert_groups(0) == [[0, 1], [2, 3]]
     assert Plan.from_dict(json.loads(json.dumps(with_experts.to_dict()))) == with_experts
 
 
@@ -73,7 +73,7 @@ def test_plan_refuses_an_expert_group_over_unequal_replicas():
 
 def test_batch_size_ramp_keeps_expert_parallel_replicas_equal():
     plan = _plan(tp=1, pp=1, dp=4, stages=[4], replicas=[3, 3, 1, 1], rank_order=[3, 2, 1, 0], expert_parallel=2)
-    assert plan.expert_replica_blocks() == [[0, 1], [2, 3]]
+    assert plan.grid.expert_replica_blocks == [[0, 1], [2, 3]]
     assert [plan.split_micro_batches(2 * n) for n in (8, 6, 12)] == [[3, 3, 1, 1], [2, 2, 1, 1], [5, 5, 1, 1]]
     # 7 micro-batches would go 3, 2, 1, 1 by the proportions: replicas 0 and 1 would deadlock.
     assert Plan.from_dict({**plan.to_dict(), "expert_parallel": 1}).split_micro_batches(2 * 7) == [3, 2, 1, 1]
@@ -94,7 +94,7 @@ def test_flags_contradicting_the_plan_and_unequal_groups_stop_before_any_collect
         configure(JOB + ["--hetero-plan", str(tmp_path / "equal.json"), "--expert-model-parallel-size", "1"], 2)
     assert configure(JOB + ["--hetero-plan", str(tmp_path / "equal.json")], 2).args.expert_model_parallel_size == 2
     # Without a plan the flags build Megatron-LM's layout.
-    assert configure(JOB + ["--expert-model-parallel-size", "2"], 2).plan.expert_groups(0) == [[0, 1]]
+    assert configure(JOB + ["--expert-model-parallel-size", "2"], 2).plan.grid.expert_groups(0) == [[0, 1]]
 
 
 def _assert_same(reference, result) -> None:
@@ -150,7 +150,7 @@ def test_stages_of_different_degrees_must_hold_as_many_copies_of_their_experts()
     pairs one copy of every stage's experts through the pipeline, so the copies must agree."""
     fields = dict(tp=2, pp=2, dp=2, stages=[1, 3], replicas=[4, 4], rank_order=list(range(6)), stage_tp=[2, 1])
     following = _plan(**fields, expert_parallel=2)  # expert TP = each stage's degree: 1 copy each
-    assert [following.stage_expert_data_parallel(s) for s in (0, 1)] == [1, 1]
+    assert [following.grid.stage_expert_data_parallel(s) for s in (0, 1)] == [1, 1]
     with pytest.raises(PlanError, match=r"gives the stages \[2, 1\] copies of their experts.*leave "
                                         r"expert_tensor_parallel unset"):
         _plan(**fields, expert_parallel=2, expert_tensor_parallel=1)

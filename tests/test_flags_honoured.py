@@ -242,7 +242,7 @@ def test_tp_pp_dp_mapping_orders_the_uniform_plans_ranks(tmp_path):
     for stage in range(2):
         for replica in range(2):
             for rank in range(2):  # Megatron-LM's tp-pp-dp rank of (tp, dp, pp)
-                assert mapped.launch_rank(mapped.rank_at(rank, replica, stage)) == rank + 2 * (stage + 2 * replica)
+                assert mapped.launch_rank(mapped.grid.rank_at(rank, replica, stage)) == rank + 2 * (stage + 2 * replica)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(default.to_dict()))
     with pytest.raises(HeteroError, match="--use-tp-pp-dp-mapping"):
@@ -260,7 +260,7 @@ def test_tp_pp_dp_mapping_with_context_parallelism_is_megatron_cores_grid():
     grid = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-pp-dp")  # Megatron-LM's order
     coords = [(t, d, s, c) for t in range(2) for d in range(2) for s in range(2) for c in range(2)]
     for axis, index in (("tp", 0), ("dp", 1), ("pp", 2), ("cp", 3)):
-        ours = {tuple(plan.launch_rank(plan.rank_at(*(coord[:index] + (i,) + coord[index + 1:])))
+        ours = {tuple(plan.launch_rank(plan.grid.rank_at(*(coord[:index] + (i,) + coord[index + 1:])))
                       for i in range(2)) for coord in coords}
         assert sorted(ours) == sorted(map(tuple, grid.get_ranks(axis))), axis
 

@@ -53,3 +53,48 @@ def test_the_blocker_really_blocks_torch():
     probe = WITHOUT_TORCH.split("sys.argv")[0] + "import torch\n"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "not importable in this test" in result.stderr
+
+
+# What computes logical ranks: hetero/grid.py alone (a plan, the planner's placement, the
+# runtime's groups and transfers ask its Grid).
+RANK_ARITHMETIC = {"rank_at", "coords", "stage_offset", "logical_rank_at", "expert_local_rank", "expert_rank_at",
+                   "tensor_group", "context_group", "data_group", "pipeline_group", "replica_ranks",
+                   "expert_groups", "expert_data_groups", "expert_tensor_groups", "positions", "groups"}
+GRID = "hetero.grid"
+
+
+def _every_module() -> dict[str, Path]:
+    modules = {}
+    for package in ("hetero", "megatron/hetero", "hetero_comm", "tools"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path.name == "__main__.py":
+                continue  # runs its command when imported
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            modules[module.removesuffix(".__init__")] = path
+    return modules
+
+
+def test_rank_arithmetic_lives_in_the_grid_alone():
+    """Every module imported; none but hetero.grid defines a function or method of the grid's
+    arithmetic (by name), and none writes Megatron's rank formula (t + tp * (d + ...))."""
+    import ast
+    import importlib
+    import re
+
+    formula = re.compile(r"\b(tp|tensor_parallel\w*|degree\w*)\s*\*\s*\(\s*\w+\s*\+\s*\w+\s*\*")
+    found = []
+    modules = _every_module()
+    for name, path in modules.items():
+        importlib.import_module(name)
+        if name == GRID:
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in RANK_ARITHMETIC:
+                found.append(f"{name}.{node.name} (line {node.lineno})")
+        for number, line in enumerate(source.splitlines(), start=1):
+            code = line.split("#")[0]
+            if formula.search(code) and '"' not in code and "'" not in code:
+                found.append(f"{name} line {number}: {line.strip()}")
+    assert len(modules) > 100
+    assert found == [], found

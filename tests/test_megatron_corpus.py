@@ -86,7 +86,7 @@ def test_scale_down_keeps_the_layout_and_the_plan_agrees(recipe, tmp_path):
     assert (stages == split) == (layout.pp == 1 or pinned), (stages, split)
     counts = [r.num_micro_batches for r in plan.replicas]
     groups = plan.num_micro_batches // (layout.pp if layout.virtual > 1 else 1)  # what can be shared
-    expert_bound = len(plan.expert_replica_blocks()) < plan.data_parallel  # equal within an expert group
+    expert_bound = len(plan.grid.expert_replica_blocks) < plan.data_parallel  # equal within an expert group
     assert layout.dp == 1 or groups <= layout.dp or expert_bound or len(set(counts)) > 1, counts
     assert plan.expert_parallel == layout.ep
     if "--use-tp-pp-dp-mapping" in argv:  # the recipe orders its ranks itself

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import make_plan, run_pretrain
 from hetero.spec.cluster import Cluster
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predict.predictor import predict
@@ -155,7 +156,7 @@ def test_the_last_stage_holds_one_micro_batch_of_logits_however_many_chunks_are_
     whose backward of a micro-batch follows its forward at once: the interleaved schedule's
     other chunks in flight add decoder layers' activations, not more logits."""
     from hetero.predict.memory import rank_memory
-    from hetero.spec.model import PRESETS
+    from hetero.spec.presets import PRESETS
 
     cluster = Cluster.from_dict({"name": "one", "groups": [{"name": "g", "nodes": [
         {"host": "h0", "device": "H100-80GB", "count": 8, "intra_link": "nvlink4",

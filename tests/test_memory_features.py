@@ -16,7 +16,8 @@ import pytest
 
 from conftest import RunResult, make_plan, run_pretrain
 from hetero.spec.cluster import Cluster
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predict.predictor import predict

@@ -4,7 +4,6 @@ sizes, expert parallelism in the predictor, the fast estimate and hetero-plan.""
 import ast
 import json
 import subprocess
-import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -13,13 +12,15 @@ import pytest
 from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.plan import DeviceEntry, Plan
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.predict.predictor import predict
 from hetero.search.expert_parallel import with_expert_parallel
 from hetero.search.options import PlannerOptions
 from hetero.search.planner import Planner
 from hetero.spec.cluster import Cluster
-from hetero.spec.model import PRESETS, ModelSpec
+from hetero.spec.model import ModelSpec
+from hetero.spec.presets import PRESETS
 
 REPO = Path(__file__).resolve().parent.parent
 MOE_CLUSTER = REPO / "examples" / "clusters" / "moe_h100_a100.yaml"
@@ -155,16 +156,15 @@ def test_fast_estimate_of_an_expert_parallel_plan_agrees_with_the_predictor():
 def test_hetero_plan_picks_expert_parallelism_for_moe_on_a_mixed_cluster(tmp_path, capsys):
     for model, expect_ep in (("mixtral-8x7b", True), ("qwen3-30b-a3b", False)):
         out = tmp_path / f"{model}.json"
-        start = time.process_time()  # CPU time: other processes on a shared machine do not count
+        # (its search time is a target of bench/plan_bench.py, the "MoE H100+A100 64" row)
         assert main(["--cluster", str(MOE_CLUSTER), "--model", model, "--global-batch-size", "256",
                      "--seq-length", "4096", "-o", str(out)]) == 0
-        assert time.process_time() - start < 5  # search, Megatron baseline and upper bound
         plan = Plan.load(out)
         chosen = json.loads(out.read_text()).get("expert_parallel", 1)
         assert plan.expert_parallel == chosen
         if expect_ep:
             assert plan.expert_parallel > 1
-        for block in plan.expert_replica_blocks():
+        for block in plan.grid.expert_replica_blocks:
             assert len({plan.replicas[r].num_micro_batches for r in block}) == 1
     capsys.readouterr()
 

@@ -17,11 +17,12 @@ import pytest
 
 from conftest import REPO
 from hetero.errors import HeteroError
-from hetero.jobs import Objective, plan_for_objective
+from hetero.job import Objective
+from hetero.jobs import plan_for_objective
 from hetero.predict.economics import economics
 from hetero.search.planner import PlannerOptions
 from hetero.spec.cluster import Cluster
-from hetero.spec.model import load_model
+from hetero.spec.presets import load_model
 
 TWO_PRICES = {
     "name": "two-prices",

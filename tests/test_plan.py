@@ -20,7 +20,7 @@ def test_logical_rank_layout_follows_megatron_order():
     for s in range(2):
         for d in range(2):
             for t in range(2):
-                coords = plan.coords(t + 2 * (d + 2 * s))
+                coords = plan.grid.coords(t + 2 * (d + 2 * s))
                 assert (coords.tp_rank, coords.dp_rank, coords.pp_rank) == (t, d, s)
     assert plan.launch_rank(0) == 7 and plan.logical_rank(7) == 0
     assert all(plan.logical_rank(plan.launch_rank(i)) == i for i in range(8))
@@ -59,7 +59,8 @@ def test_megatron_core_accepts_the_layout():
         ({"devices": [{"host": "a", "device_type": "cpu", "vendor": "cpu"}] * 7},
          "devices has 7 entries"),
         ({"tensor_parallel": "two"}, "tensor_parallel: Input should be a valid integer"),
-        ({"version": 4}, "plan version 4 is not supported"),
+        ({"version": 5}, "plan version 5 is not supported"),
+        ({"version": 4}, "version 4 lists the layout under templates"),
     ],
 )
 def test_malformed_plans_name_the_field(change, fragment):
@@ -126,3 +127,16 @@ def test_uniform_plan_is_megatrons_default():
     with pytest.raises(PlanError, match="not divisible by pipeline_parallel"):
         Plan.uniform(tensor_parallel=1, pipeline_parallel=3, data_parallel=1, micro_batch_size=1,
                      num_layers=8, global_batch_size=4, devices=[device] * 3)
+
+
+def test_a_model_with_a_sliding_window_is_recorded_and_read_back():
+    """gpt-oss's window (a pair) survives the record, in Python and through JSON."""
+    import json
+
+    from hetero.record import ModelRecord
+    from hetero.spec.presets import load_model
+
+    spec = load_model("gpt-oss-120b")
+    record = ModelRecord.of(spec)
+    again = ModelRecord.model_validate(json.loads(json.dumps(record.model_dump(mode="json"))))
+    assert again.spec().window_size == spec.window_size == (128, 0)

@@ -12,8 +12,8 @@ from hetero.cli import main
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.spec.launch_script import pretrain_flags_of_script
-from hetero.spec.model import load_model
-from hetero.predict.costs import TrainingSetup
+from hetero.spec.presets import load_model
+from hetero.predict.training_setup import TrainingSetup
 from hetero.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

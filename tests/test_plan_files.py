@@ -27,7 +27,7 @@ from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
 from hetero.cli import main
 from hetero.errors import HeteroError, PlanError
 from hetero.plan import Plan
-from hetero.predict.costs import TrainingSetup
+from hetero.predict.training_setup import TrainingSetup
 from hetero.record import MAX_COUNT, ModelRecord, TrainingRecord
 from hetero.spec.model import ModelSpec
 

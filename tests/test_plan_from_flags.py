@@ -2,6 +2,7 @@
 launch script (hetero/spec/launch_script.py): the model, the padded vocabulary and the
 launch flags are the ones the run reads, checked against the runtime and against bash."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,10 +20,11 @@ from hetero.spec.launch_script import pretrain_flags_of_script  # noqa: E402
 from hetero.spec.megatron_args import (  # noqa: E402
     HETERO_FLAGS,
     job_of_flags,
-    padded_vocab_size,
+    VocabularyPadding,
     parse_megatron_flags,
 )
-from hetero.spec.model import PRESETS, ModelSpec  # noqa: E402
+from hetero.spec.model import ModelSpec  # noqa: E402
+from hetero.spec.presets import PRESETS  # noqa: E402
 from megatron_corpus.corpus import recipes  # noqa: E402
 from megatron_corpus.scale import scale_down  # noqa: E402
 
@@ -71,7 +73,7 @@ def test_the_model_of_a_recipe_is_the_one_the_run_builds(name, tensor_parallel, 
     recipe = next(r for r in recipes() if r.name == name)
     argv = scale_down(recipe.flags, tmp_path)  # every flag of the recipe, tiny sizes and files
     job = job_of_flags(argv)
-    planned = job.model_for((tensor_parallel,))
+    planned = dataclasses.replace(job.model, vocab_size=job.vocabulary.padded((tensor_parallel,)))
     built = ModelSpec.from_megatron_args(model_args(_model_flags(argv), tensor_parallel))
     assert planned.differences(built) == []
     assert planned.vocab_size % (tensor_parallel * job.flags["make_vocab_size_divisible_by"]) == 0
@@ -103,8 +105,11 @@ def test_gpt2_vocabulary_and_padding_per_stage_degrees(tmp_path):
             runtime = runtime_padding(job.tokenizer_vocab, argparse.Namespace(
                 make_vocab_size_divisible_by=96, tensor_model_parallel_size=max(stages),
                 stage_tensor_parallel_sizes=stages))
-            assert job.model_for(stages).vocab_size == runtime
-    assert padded_vocab_size(400, 96, [4, 8]) == 768 and padded_vocab_size(400, 96, [1]) == 480
+            assert job.vocabulary.padded(stages) == runtime
+    assert VocabularyPadding(400, 96).padded([4, 8]) == 768 and VocabularyPadding(400, 96).padded([1]) == 480
+    assert VocabularyPadding(400, 96).divisor_giving(768, [4]) == 96
+    assert VocabularyPadding(400, 96).divisor_giving(600, [4]) is None  # no divisor pads 400 to 600 at TP 4
+    assert VocabularyPadding(1100, 128).divisor_giving(1152, [2]) == 64
 
 
 def test_the_flag_table_knows_the_runtimes_own_flags():

@@ -8,13 +8,15 @@ import pytest
 from hetero.search.baseline import megatron_baseline, upper_bound
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
-from hetero.spec.model import PRESETS, ModelSpec
+from hetero.spec.model import ModelSpec
+from hetero.spec.presets import PRESETS
 from hetero.predict.schedule import PipelineShape
 from hetero.search.estimate import allocate_micro_batches, split_layers
-from hetero.search.options import PlannerOptions
+from hetero.search.shortlist import Leaderboard, interleaved_shortlist, shortlist
+from hetero.search.options import Candidate, PlannerOptions
 from hetero.search.planner import Planner
 from hetero.search.class_orders import stage_patterns
-from hetero.predict.costs import TrainingSetup
+from hetero.predict.training_setup import TrainingSetup
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 FAST_SLOW = {
@@ -45,6 +47,57 @@ def test_split_layers_balances_and_respects_caps():
 def test_micro_batches_go_by_speed():
     micro = allocate_micro_batches(30, {"fast": 1, "slow": 1}, {"fast": PipelineShape(0.0, 1.0), "slow": PipelineShape(0.0, 2.0)})
     assert micro == {"fast": [20], "slow": [10]}
+
+
+def test_micro_batches_of_an_interleaved_pipeline_come_in_whole_groups():
+    shapes = {"plain": PipelineShape(1.0, 1.0), "interleaved": PipelineShape(0.5, 1.0)}
+    micro = allocate_micro_batches(40, {"plain": 2, "interleaved": 1}, shapes, {"interleaved": 4})
+    assert micro["interleaved"][0] % 4 == 0 and sum(micro["plain"]) + micro["interleaved"][0] == 40
+    assert max(shapes[k].time(m) for k, counts in micro.items() for m in counts) <= 15.0
+    # granularity 1 splits as before; a split that cannot come in whole groups is refused
+    assert allocate_micro_batches(30, {"a": 1, "b": 1}, shapes | {"a": shapes["plain"], "b": shapes["plain"]},
+                                  {"a": 1}) == allocate_micro_batches(30, {"a": 1, "b": 1}, {
+                                      "a": shapes["plain"], "b": shapes["plain"]})
+    assert allocate_micro_batches(10, {"interleaved": 1}, shapes, {"interleaved": 4}) is None
+
+
+def test_other_class_orders_of_a_cross_class_pipeline_keep_its_classes_and_replicas():
+    """Interleaved, where each class sits moves the bubbles more than the 1F1B estimate sees:
+    the planner predicts a shortlisted cross-class pipeline's other class orders estimated
+    nearly as fast too (two nodes of each of mixed_4096.yaml's four types)."""
+    spec = Cluster.load(CLUSTERS / "mixed_4096.yaml").to_dict()
+    spec["groups"] = [dict(g, nodes=[dict(g["nodes"][0], num_nodes=2)]) for g in spec["groups"]]
+    options = PlannerOptions(templates=False, setup=TrainingSetup(precision="bf16"))
+    planner = Planner(Cluster.from_dict(spec), PRESETS["llama2-13b"].with_seq_length(4096), 32, options)
+    chosen = shortlist(planner.candidates(only_contenders=True), 4, 1)
+    leading = next(c for c in chosen if c.family == "cross-class" and len(set(c.stage_degrees())) == 1)
+    others = planner.families.class_orders_of(leading)
+    pattern = leading.replica_classes[0]
+    assert any(o.replica_classes[0] != pattern for o in others)
+    for other in others:
+        assert sorted(other.replica_classes[0]) == sorted(pattern) and other.degrees == leading.degrees
+        assert len(other.replica_classes) == len(leading.replica_classes)
+    tried = planner._other_class_orders(chosen)
+    shortlisted = {(c.replica_classes[0], c.order) for c in chosen}
+    assert tried and all((o.replica_classes[0], o.order) not in shortlisted for o in tried)
+    assert all(o.estimate_s <= 1.03 * max(c.estimate_s for c in chosen if c.family == "cross-class") for o in tried)
+
+
+def test_shapes_best_interleaved_are_judged_interleaved_too():
+    """The shortlist ranks by the 1F1B estimate; shapes whose interleaved estimate is best get
+    their own shortlist, and the search keeps judging shapes that may still reach it."""
+    def candidate(stages: int, plain: float, interleaved: float | None) -> Candidate:
+        return Candidate("cross-class", "stage-major", (2, 2), 1, [2] * stages, [(0,) * stages], [8], plain,
+                         interleaved=(2, interleaved) if interleaved else None)
+
+    found = [candidate(1, 1.0, None), candidate(2, 1.1, 1.05), candidate(4, 1.2, 0.9), candidate(8, 1.3, 0.95)]
+    chosen = shortlist(found, 2, 1)
+    assert [len(c.layers) for c in chosen] == [1, 2]
+    assert [len(c.layers) for c in interleaved_shortlist(found, 2, chosen)] == [4, 8]
+    board = Leaderboard(2, 1)
+    for c in found:
+        board.add(c)
+    assert board.bar("cross-class") == 1.1 and board.interleaved_bar() == 0.95
 
 
 def test_twice_as_fast_devices_get_twice_the_layers():
@@ -84,10 +137,10 @@ def test_holmes_like_keeps_data_parallel_inside_fabrics():
     tp, dp = plan.tensor_parallel, plan.data_parallel
     for s in range(plan.pipeline_parallel):
         for t in range(tp):
-            fabrics = {group[plan.device_of_logical(r).host] for r in plan.data_group(t, s)}
+            fabrics = {group[plan.device_of_logical(r).host] for r in plan.grid.data_group(t, s)}
             assert len(fabrics) == 1, f"stage {s}'s data-parallel group spans {fabrics}"
     for d in range(dp):  # each pipeline crosses from one fabric to the next only once
-        path = [group[plan.device_of_logical(r).host] for r in plan.pipeline_group(0, d)]
+        path = [group[plan.device_of_logical(r).host] for r in plan.grid.pipeline_group(0, d)]
         crossings = sum(a != b for a, b in zip(path, path[1:]))
         assert crossings == len(set(path)) - 1
     baseline = megatron_baseline(cluster, PRESETS["gpt-3.6b"], 512)
@@ -172,16 +225,39 @@ def test_class_orders_include_sandwiches():
     counts = {0: 2, 1: 3}
     assert stage_patterns([(0, 1), (1, 0)], counts, {0: 4, 1: 1}) == [(0, 0, 1, 1, 1), (1, 1, 1, 0, 0), (0, 1, 1, 1, 0)]
     assert stage_patterns([(0, 1), (1, 0)], counts, {0: 1, 1: 4}) == [(0, 0, 1, 1, 1), (1, 1, 1, 0, 0), (1, 0, 0, 1, 1)]
-    assert stage_patterns([(0, 1), (1, 0)], counts, {0: 2, 1: 2}) == [(0, 0, 1, 1, 1), (1, 1, 1, 0, 0)]  # one degree
+    # One degree: a class of the most memory per device goes to the ends (any, without memory).
+    assert stage_patterns([(0, 1), (1, 0)], counts, {0: 2, 1: 2}, {0: 40, 1: 16}) == [
+        (0, 0, 1, 1, 1), (1, 1, 1, 0, 0), (0, 1, 1, 1, 0)]
+    assert stage_patterns([(0, 1), (1, 0)], counts, {0: 2, 1: 2}) == [
+        (0, 0, 1, 1, 1), (1, 1, 1, 0, 0), (0, 1, 1, 1, 0), (1, 0, 0, 1, 1)]
     assert stage_patterns([(0, 1), (1, 0)], {0: 1, 1: 1}, {0: 1, 1: 4}) == [(0, 1), (1, 0)]  # nothing to split
 
 
+def test_a_sandwich_at_one_degree_wins_where_the_faster_class_runs_both_ends():
+    # 8 A100-40GB and 8 V100-16GB (two nodes of four each), GPT-Neo-2.7B: A,V,V,A at TP2
+    # (layers 12/5/5/10) is predicted 5% faster than the best plan without same-degree
+    # sandwiches (A,A,V,V, the V100 at the end running the 50k-word logits), and the fast
+    # estimate ranks it first too, so the search must judge it.
+    nodes = [{"host_prefix": "a", "num_nodes": 2, "device": "A100-40GB", "count": 4, "intra_link": "nvlink3",
+              "nic": {"kind": "roce", "gbps": 200}},
+             {"host_prefix": "v", "num_nodes": 2, "device": "V100-16GB", "count": 4, "intra_link": "nvlink2",
+              "nic": {"kind": "ethernet", "gbps": 100}}]
+    cluster = Cluster.from_dict({"name": "a-and-v", "groups": [{"name": "cloud", "nodes": nodes}]})
+    model = PRESETS["gpt-neo-2.7b"].with_seq_length(2048)
+    options = PlannerOptions(setup=TrainingSetup(precision="fp16"), templates=False)
+    plan = Planner(cluster, model, 32, options).plan().plan
+    classes = [stage.device_types[0][0] for stage in plan.stages]
+    assert classes[0] == classes[-1] == "A" and "V" in classes
+    assert len(set(plan.stage_tensor_parallel)) == 1
+
+
 def test_sailor_like_search_judges_sandwiches_and_plans_a_degree_per_stage():
-    # A100-40GB and V100-16GB at 1:3, GPT-Neo-2.7B: the cost model rates A100 stages at TP1
-    # and V100 stages at TP2 above every single degree, and the planner writes that plan.
+    # A100-40GB and V100-16GB at 1:3, GPT-Neo-2.7B, without interleaving: the cost model rates
+    # A100 stages at TP1 and V100 stages at TP2 above every single degree, and the planner
+    # writes that plan. (Interleaved, one degree at TP2 PP4 is faster still.)
     cluster = Cluster.load(CLUSTERS / "sailor_like_128.yaml")
     model = PRESETS["gpt-neo-2.7b"].with_seq_length(2048)
-    options = PlannerOptions(setup=TrainingSetup(precision="fp16"), micro_batch_sizes=(1, 2))
+    options = PlannerOptions(setup=TrainingSetup(precision="fp16"), micro_batch_sizes=(1, 2), virtual_stages=(1,))
     planner = Planner(cluster, model, 512, options)
     found = planner.candidates()
     sandwiches = [c for c in found if c.replica_classes[0][0] == c.replica_classes[0][-1]

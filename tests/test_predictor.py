@@ -6,9 +6,11 @@ import random
 import pytest
 
 from hetero.spec.cluster import Cluster
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.predict.memory import GIB, rank_memory
-from hetero.spec.model import PRESETS, ModelSpec
+from hetero.spec.model import ModelSpec
+from hetero.spec.presets import PRESETS
 from hetero.plan import DeviceEntry, Plan
 from hetero.predict.predictor import predict
 from hetero.spec.profiles import Profiles

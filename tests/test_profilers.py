@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hetero.spec.cluster import Cluster
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec.model import ModelSpec
 from hetero.spec.profiles import Profiles
 from tools.emulator import EmulatedCluster, RankLayout

@@ -10,12 +10,13 @@ import pytest
 
 from hetero.errors import HeteroError
 from hetero.plan_entries import StageEntry
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.search.options import plan_recompute
 from hetero.spec import recompute
 from hetero.spec.cluster import Cluster
 from hetero.spec.megatron_args import job_of_flags
-from hetero.spec.model import load_model
+from hetero.spec.presets import load_model
 
 DEVICE = "H100-80GB"
 

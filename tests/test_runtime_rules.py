@@ -17,7 +17,8 @@ from hetero.runtime_rules import model_problems, precision_problems, runtime_pro
 from hetero.search.planner import PlannerOptions
 from hetero.spec.catalog import DEVICES
 from hetero.spec.cluster import Cluster
-from hetero.spec.model import ModelSpec, load_model
+from hetero.spec.model import ModelSpec
+from hetero.spec.presets import load_model
 
 SAILOR = REPO / "examples" / "clusters" / "sailor_like_128.yaml"
 

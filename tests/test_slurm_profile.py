@@ -21,7 +21,8 @@ import pytest
 
 from conftest import live_command
 from hetero.errors import HeteroError
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec import slurm_text
 from hetero.spec.cluster import Cluster
 from hetero.spec.model import ModelSpec

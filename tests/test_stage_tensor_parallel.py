@@ -25,15 +25,15 @@ def plan_of(stage_tp, dp=2, stages=None, replicas=None, rank_order=None) -> Plan
 def test_every_logical_rank_has_one_place_in_the_grid(stage_tp):
     plan = plan_of(stage_tp, dp=3)
     assert plan.world_size == 3 * sum(stage_tp)
-    places = [plan.coords(r) for r in range(plan.world_size)]
-    assert [plan.rank_at(c.tp_rank, c.dp_rank, c.pp_rank) for c in places] == list(range(plan.world_size))
+    places = [plan.grid.coords(r) for r in range(plan.world_size)]
+    assert [plan.grid.rank_at(c.tp_rank, c.dp_rank, c.pp_rank) for c in places] == list(range(plan.world_size))
     assert {(c.pp_rank, c.tp_rank) for c in places} == {(s, t) for s, tp in enumerate(stage_tp) for t in range(tp)}
 
 
 def test_one_degree_for_every_stage_keeps_megatrons_order():
     uniform = plan_of([2, 2, 2], dp=2)
     assert not uniform.per_stage_tensor_parallel
-    assert [uniform.rank_at(t, d, s) for s in range(3) for d in range(2) for t in range(2)] == list(range(12))
+    assert [uniform.grid.rank_at(t, d, s) for s in range(3) for d in range(2) for t in range(2)] == list(range(12))
 
 
 def test_groups_partition_the_world_and_agree_with_the_grid():
@@ -41,12 +41,12 @@ def test_groups_partition_the_world_and_agree_with_the_grid():
     for token in ("tp", "dp", "tp-pp", "tp-dp", "tp-dp-cp", "cp", "ep", "tp-ep-pp", "dp-cp"):
         groups = rank_groups(plan, token)
         assert sorted(itertools.chain(*groups)) == list(range(plan.world_size)), token
-    assert rank_groups(plan, "tp") == [plan.tensor_group(d, s) for s in range(3) for d in range(2)]
-    assert sorted(rank_groups(plan, "tp-pp")) == [plan.replica_ranks(d) for d in range(2)]
+    assert rank_groups(plan, "tp") == [plan.grid.tensor_group(d, s) for s in range(3) for d in range(2)]
+    assert sorted(rank_groups(plan, "tp-pp")) == [plan.grid.replica_ranks(d) for d in range(2)]
     # pipeline groups: tensor rank t meets rank t mod tp_s of each stage, one per stage
     pipelines = rank_groups(plan, "pp")
     assert len(pipelines) == 2 * 4 and all(len(g) == 3 for g in pipelines)
-    assert all([plan.coords(r).pp_rank for r in g] == [0, 1, 2] for g in pipelines)
+    assert all([plan.grid.coords(r).pp_rank for r in g] == [0, 1, 2] for g in pipelines)
 
 
 def test_plan_errors_name_the_field_and_the_fix():
@@ -72,19 +72,19 @@ def test_what_one_stage_sends_is_what_the_next_receives(stage_tp, sequence_paral
     plan = plan_of(stage_tp, dp=2)
     seq = 24
     for d in range(2):
-        sent = {(r, p.peer, p.start, p.stop) for r in plan.tensor_group(d, 0)
+        sent = {(r, p.peer, p.start, p.stop) for r in plan.grid.tensor_group(d, 0)
                 for p in stage_pieces(plan, r, 1, seq, sequence_parallel, receiving=False)}
-        received = {(p.peer, r, p.start, p.stop) for r in plan.tensor_group(d, 1)
+        received = {(p.peer, r, p.start, p.stop) for r in plan.grid.tensor_group(d, 1)
                     for p in stage_pieces(plan, r, 0, seq, sequence_parallel, receiving=True)}
         assert sent == received
         # every receiving rank gets exactly its rows, once
-        for r in plan.tensor_group(d, 1):
-            t, tp = plan.coords(r).tp_rank, stage_tp[1]
+        for r in plan.grid.tensor_group(d, 1):
+            t, tp = plan.grid.coords(r).tp_rank, stage_tp[1]
             rows = sorted((p.start, p.stop) for p in stage_pieces(plan, r, 0, seq, sequence_parallel, True))
             want = (t * seq // tp, (t + 1) * seq // tp) if sequence_parallel else (0, seq)
             assert rows[0][0] == want[0] and rows[-1][1] == want[1]
             assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-            assert all(plan.coords(p.peer).dp_rank == d for p in stage_pieces(plan, r, 0, seq, sequence_parallel, True))
+            assert all(plan.grid.coords(p.peer).dp_rank == d for p in stage_pieces(plan, r, 0, seq, sequence_parallel, True))
 
 
 # ----- training: loss parity with one process (fp32, CPU) -----------------------------------

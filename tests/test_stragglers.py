@@ -5,7 +5,8 @@ import numpy
 import pytest
 
 from hetero.spec.cluster import Cluster
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.predict.predictor import predict

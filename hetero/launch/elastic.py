@@ -102,8 +102,10 @@ def predicted_tokens_per_s(plan: Plan) -> float | None:
     return plan.prediction.tokens_per_s if plan.prediction is not None else None
 
 
-def with_load(train_args: Sequence[str]) -> list[str]:
-    """The flags of a resumed attempt: --load the directory the job saves to."""
+def with_load(train_args: Sequence[str], plan: Plan | None = None) -> list[str]:
+    """The flags of a resumed attempt: --load the directory the job saves to; with the plan
+    it resumes under, the --make-vocab-size-divisible-by that keeps the trained vocabulary at
+    the plan's tensor-parallel degrees (the re-plan records it; the last flag given wins)."""
     args = list(train_args)
     save = _flag_value(args, "--save")
     if save is None:
@@ -111,6 +113,9 @@ def with_load(train_args: Sequence[str]) -> list[str]:
                           "a restarted job resumes from the last checkpoint")
     if _flag_value(args, "--load") is None:
         args += ["--load", save]
+    divisor = plan.training.make_vocab_size_divisible_by if plan is not None and plan.training else None
+    if divisor is not None and _flag_value(args, "--make-vocab-size-divisible-by") != str(divisor):
+        args += ["--make-vocab-size-divisible-by", str(divisor)]
     return args
 
 
@@ -153,7 +158,7 @@ def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, r
             f"{', '.join(h for h, _ in new_plan.hosts())}: {new_plan.summary()}; predicted "
             f"{speed_text(old_speed)} -> {speed_text(new_speed)} tokens/s; wrote {plan_path}; resuming from "
             "the last checkpoint")
-        plan, args = new_plan, with_load(train_args)
+        plan, args = new_plan, with_load(train_args, new_plan)
     return 1
 
 

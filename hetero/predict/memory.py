@@ -24,6 +24,7 @@ evaluated at 0 and 1 layers (layer_capacity).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from hetero.predict.costs import CostModel
 
@@ -129,11 +130,8 @@ def rank_memory(
     params = dense + experts
     # The distributed optimizer shards dense state over the data-parallel group, expert
     # state over the expert data-parallel group (the same group with EP 1).
-    expert_share = costs.expert_data_parallel_at(tensor_parallel, data_parallel)
-    if experts and distributed_optimizer:
-        optimizer_state = setup.optimizer_bytes * (dense / data_parallel + experts / expert_share)
-    else:
-        optimizer_state = params * (setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1))
+    optimizer_state = optimizer_state_bytes(costs, dense, experts, tensor_parallel, data_parallel,
+                                            distributed_optimizer)
     if in_flight is None:
         in_flight = micro_batches_in_flight(stage, num_stages, num_micro_batches, setup.virtual_stages)
     per_micro_batch = num_layers * costs.layer_activation_bytes(tensor_parallel, micro_batch_size, recompute)
@@ -162,6 +160,18 @@ def rank_memory(
         transient=transient,
         overhead=FRAMEWORK_OVERHEAD_GIB.get(vendor, DEFAULT_OVERHEAD_GIB) * GIB,
     )
+
+
+def optimizer_state_bytes(costs: CostModel, dense: float, experts: float, tensor_parallel: int, data_parallel: int,
+                          distributed_optimizer: bool) -> float:
+    """One rank's optimizer state for its (dense, expert) parameters (rank_params): the
+    distributed optimizer shards the dense part over the data-parallel group, the experts'
+    over the expert data-parallel group (the same group with EP 1)."""
+    setup = costs.setup
+    if experts and distributed_optimizer:
+        expert_share = costs.expert_data_parallel_at(tensor_parallel, data_parallel)
+        return setup.optimizer_bytes * (dense / data_parallel + experts / expert_share)
+    return (dense + experts) * (setup.optimizer_bytes / (data_parallel if distributed_optimizer else 1))
 
 
 def backward_working_set(costs: CostModel, tensor_parallel: int, micro_batch_size: int,
@@ -195,6 +205,11 @@ def layer_capacity(costs: CostModel, memory_gib: float, **placement) -> int:
     return max(0, int(room // per_layer)) if per_layer > 0 else 0
 
 
+END_STAGES = {(True, True): (0, 1), (True, False): (0, 2), (False, True): (1, 2), (False, False): (1, 3)}
+"""(stage, stages) of a pipeline that has a stage of each kind (first, last): where
+rank_memory prices a stage of that kind."""
+
+
 @dataclass(frozen=True)
 class StageMemoryTerms:
     """rank_memory of one kind of stage (first, middle, last, or the only one) as the
@@ -205,6 +220,16 @@ class StageMemoryTerms:
     per_flight: float
     per_layer: float
     per_layer_flight: float
+
+    @classmethod
+    def of(cls, total: Callable[[int, int], float]) -> "StageMemoryTerms":
+        """The terms from total(n, f), a stage's bytes with n layers and f micro-batches in
+        flight, at n in {0, 1} and f in {1, 2}."""
+        m01, m02, m11, m12 = total(0, 1), total(0, 2), total(1, 1), total(1, 2)
+        per_flight = m02 - m01
+        per_layer_flight = (m12 - m11) - per_flight
+        per_layer = (m11 - m01) - per_layer_flight
+        return cls(m01 - per_flight, per_flight, per_layer, per_layer_flight)
 
     def capacity(self, memory_gib: float, in_flight: float) -> int:
         """Most layers that fit with `in_flight` micro-batches in flight."""
@@ -217,15 +242,10 @@ def stage_memory_terms(costs: CostModel, *, first: bool, last: bool, **placement
     """StageMemoryTerms from four evaluations of rank_memory (n in {0, 1}, f in {1, 2}).
     `placement`: rank_memory's keywords other than num_layers, stage, num_stages,
     num_micro_batches and in_flight."""
-    stage, num_stages = {(True, True): (0, 1), (True, False): (0, 2), (False, True): (1, 2),
-                         (False, False): (1, 3)}[(first, last)]
+    stage, num_stages = END_STAGES[first, last]
 
     def total(n: int, f: int) -> float:
         return rank_memory(costs, num_layers=n, stage=stage, num_stages=num_stages, num_micro_batches=f,
                            in_flight=f, **placement).total
 
-    m01, m02, m11, m12 = total(0, 1), total(0, 2), total(1, 1), total(1, 2)
-    per_flight = m02 - m01
-    per_layer_flight = (m12 - m11) - per_flight
-    per_layer = (m11 - m01) - per_layer_flight
-    return StageMemoryTerms(m01 - per_flight, per_flight, per_layer, per_layer_flight)
+    return StageMemoryTerms.of(total)

@@ -1,8 +1,10 @@
 """Predicted iteration time, throughput and memory of any plan on a cluster.
 
 One iteration, as megatron-core runs it:
-1. every replica runs 1F1B over its own micro-batch count (schedule.py, exact per stage;
-   the interleaved schedule as v chunks of 1/v of the stage per micro-batch);
+1. every replica runs 1F1B over its own micro-batch count (schedule.py, exact per stage),
+   or with virtual stages megatron-core's interleaved 1F1B (interleaved_schedule.py: its op
+   order, each chunk's own work, a transfer at every chunk boundary, the wrap-around from
+   the last stage to the first included);
 2. each rank, when its schedule ends, reduces its stage's gradients over its data-parallel
    group (hierarchical all-reduce, or reduce-scatter + all-gather with the distributed
    optimizer; overlapped with the last backward when asked), and the tied embedding's
@@ -18,18 +20,20 @@ every memory figure from memory.py: the planner's fast estimate uses the same fu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from hetero.spec.cluster import Cluster
 from hetero.predict.costs import CostModel
 from hetero.errors import PlanError
 from hetero.predict.memory import GIB, MemoryEstimate, capacity_bytes, rank_memory, rank_params, stage_params
 from hetero.plan import Plan
+from hetero.predict.interleaved_schedule import ChunkTiming, simulate_interleaved
 from hetero.predict.schedule import Op, StageTiming, simulate_1f1b
 from hetero.predict.stragglers import replica_spread, slowest_of
 from hetero.predict.expert_exchange import expert_exchange_beyond_node_s, unpaired_exchange_s
 from hetero.predict.moe_overlap import unpaired_share
 from hetero.predict.tied_embedding import tied_embedding_sync_s
+from hetero.predict.templates import predict_templates
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,11 @@ class Prediction:
     memory_capacity_gib: dict[str, float]
     problems: list[str]
     timelines: dict[int, list[list[Op]]] = field(default_factory=dict)
-    """1F1B ops of each replica (replicas with equal timings share one simulation)."""
+    """Schedule ops of each replica (replicas with equal timings share one simulation)."""
+    reduction_start_s: float | None = None
+    """A plan of several templates (templates.py): when the cross-template gradient reduction
+    starts (the slowest replica's end); stage_end_s and reduce_s then list every template's
+    stages, template by template."""
 
     @property
     def fits(self) -> bool:
@@ -94,7 +102,7 @@ def slots(plan: Plan, cluster: Cluster) -> list[list[StageSlot]]:
     for d in range(dp):
         row = []
         for s in range(plan.pipeline_parallel):
-            entries = [plan.device_of_logical(r) for r in plan.tensor_group(d, s)]
+            entries = [plan.device_of_logical(r) for r in plan.grid.tensor_group(d, s)]
             for e in entries:
                 try:
                     node = cluster.node(e.host)
@@ -119,8 +127,53 @@ def _crossings(cluster: Cluster, pairs: list[tuple[str, str]]) -> int:
     return sum(cluster.node(a).group != cluster.node(b).group for a, b in pairs)
 
 
-def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]]) -> list[list[StageTiming]]:
-    """Per (replica, stage): one micro-batch's forward and backward, and its sends."""
+@dataclass(frozen=True)
+class StageWork:
+    """One (replica, stage)'s work per micro-batch, as the schedules take it apart: its
+    decoder layers, what its ends add, and its transfers."""
+
+    num_layers: int
+    layer_forward_s: float
+    """One decoder layer (its tensor-parallel and expert communication included)."""
+    layer_backward_s: float
+    end_forward_s: float
+    """Beyond the layers (stage_extra_times): the first stage's batch and embedding, the last
+    stage's output layer, loss and multi-token-prediction layers."""
+    end_backward_s: float
+    send_forward_s: float = 0.0
+    """Its output to the next stage (0 from the last)."""
+    send_backward_s: float = 0.0
+    """Its input's gradient to the previous stage (0 from the first)."""
+    wrap_forward_s: float = 0.0
+    """Interleaved: the last stage's output to the first stage's next chunk."""
+    wrap_backward_s: float = 0.0
+    """Interleaved: the first stage's gradient to the last stage's previous chunk."""
+
+    @property
+    def timing(self) -> StageTiming:
+        """The whole stage per micro-batch (non-interleaved 1F1B)."""
+        return StageTiming(self.num_layers * self.layer_forward_s + self.end_forward_s,
+                           self.num_layers * self.layer_backward_s + self.end_backward_s,
+                           self.send_forward_s, self.send_backward_s)
+
+    def chunks(self, chunk_layers: Sequence[float], first: bool, last: bool) -> list[ChunkTiming]:
+        """The stage's model chunks: each its own layers; the embedding in the first stage's
+        first chunk, the output layer and loss in the last stage's last chunk; every chunk's
+        output sent on, from the last stage around to the first."""
+        v = len(chunk_layers)
+        chunks = []
+        for c, layers in enumerate(chunk_layers):
+            ends = (first and c == 0) or (last and c == v - 1)
+            send_forward = self.send_forward_s if not last else (self.wrap_forward_s if c < v - 1 else 0.0)
+            send_backward = self.send_backward_s if not first else (self.wrap_backward_s if c > 0 else 0.0)
+            chunks.append(ChunkTiming(layers * self.layer_forward_s + (self.end_forward_s if ends else 0.0),
+                                      layers * self.layer_backward_s + (self.end_backward_s if ends else 0.0),
+                                      send_forward, send_backward))
+        return chunks
+
+
+def stage_works(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[list[StageSlot]]) -> list[list[StageWork]]:
+    """Per (replica, stage): one micro-batch's layers, ends and sends."""
     pp, dp, mbs = plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
     tps = plan.stage_tensor_parallel
     # Transfers that share inter-group links at a pipeline boundary run at the same time.
@@ -129,13 +182,14 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
         * _crossings(cluster, [(grid[d][s].hosts[0], grid[d][s + 1].hosts[0]) for d in range(dp)])
         for s in range(pp - 1)
     ]
+    interleaved = virtual_stages_of(plan, costs) > 1
+    wrap_crossings = max(tps[0], tps[-1]) * _crossings(cluster, [(row[-1].hosts[0], row[0].hosts[0]) for row in grid])
 
-    def timing(slot: StageSlot) -> StageTiming:
+    def work(slot: StageSlot) -> StageWork:
         s, d, host, tp = slot.stage, slot.replica, slot.hosts[0], tps[slot.stage]
         layer = costs.layer_cost(slot.device_type, host, tp, mbs, stage_recompute(plan, s, costs))
-        forward, backward = plan.stages[s].num_layers * layer.forward_s, plan.stages[s].num_layers * layer.backward_s
-        extra_f, extra_b = costs.stage_extra_times(slot.device_type, tp, mbs, first=s == 0, last=s == pp - 1)
-        forward, backward = forward + extra_f, backward + extra_b
+        layer_f, layer_b = layer.forward_s, layer.backward_s
+        end_f, end_b = costs.stage_extra_times(slot.device_type, tp, mbs, first=s == 0, last=s == pp - 1)
         if plan.expert_parallel > 1:  # layer_cost priced the all-to-alls as if inside this node
             group, recompute = expert_group_hosts(plan, d, s), stage_recompute(plan, s, costs)
             beyond = expert_exchange_beyond_node_s(costs, group, host, slot.device_type, tp, mbs, recompute)
@@ -143,23 +197,42 @@ def stage_timings(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[lis
             # cool-down's are not (averaged over the stage's chunks).
             alone = unpaired_share(plan.replicas[d].num_micro_batches, pp, s, costs.setup.virtual_stages)
             unpaired = unpaired_exchange_s(costs, group, slot.device_type, tp, mbs, recompute)
+            per_layer = beyond[0] + alone * unpaired[0], beyond[1] + alone * unpaired[1]
+            layer_f, layer_b = layer_f + per_layer[0], layer_b + per_layer[1]
             # (the last stage's multi-token-prediction layers exchange tokens too)
-            exchanging = plan.stages[s].num_layers + (costs.mtp_exchange_layers() if s == pp - 1 else 0.0)
-            forward += exchanging * (beyond[0] + alone * unpaired[0])
-            backward += exchanging * (beyond[1] + alone * unpaired[1])
-        send_f = costs.stage_transfer(host, grid[d][s + 1].hosts[0], tp, mbs, boundary_crossings[s],
-                                      tps[s + 1]) if s < pp - 1 else 0.0
-        send_b = costs.stage_transfer(host, grid[d][s - 1].hosts[0], tp, mbs, boundary_crossings[s - 1],
-                                      tps[s - 1]) if s > 0 else 0.0
-        return StageTiming(forward, backward, send_f, send_b)
+            mtp = costs.mtp_exchange_layers() if s == pp - 1 else 0.0
+            end_f, end_b = end_f + mtp * per_layer[0], end_b + mtp * per_layer[1]
 
-    return [[timing(slot) for slot in row] for row in grid]
+        def transfer(to: int, crossings: int) -> float:
+            return costs.stage_transfer(host, grid[d][to].hosts[0], tp, mbs, crossings, tps[to])
+
+        send_f = transfer(s + 1, boundary_crossings[s]) if s < pp - 1 else 0.0
+        send_b = transfer(s - 1, boundary_crossings[s - 1]) if s > 0 else 0.0
+        wrap_f = transfer(0, wrap_crossings) if interleaved and s == pp - 1 else 0.0
+        wrap_b = transfer(pp - 1, wrap_crossings) if interleaved and s == 0 else 0.0
+        return StageWork(plan.stages[s].num_layers, layer_f, layer_b, end_f, end_b, send_f, send_b, wrap_f, wrap_b)
+
+    return [[work(slot) for slot in row] for row in grid]
+
+
+def virtual_stages_of(plan: Plan, costs: CostModel) -> int:
+    """Model chunks per pipeline stage: the plan's virtual stages, else the setup's."""
+    return plan.virtual_pipeline_size or costs.setup.virtual_stages
+
+
+def chunk_layers(plan: Plan, stage: int, virtual_stages: int) -> list[float]:
+    """Decoder layers of each of a stage's model chunks: the plan's virtual stages, or its
+    layers split evenly."""
+    entry = plan.stages[stage]
+    if entry.virtual_stages:
+        return list(entry.virtual_stages)
+    return [entry.num_layers / virtual_stages] * virtual_stages
 
 
 def expert_group_hosts(plan: Plan, replica: int, stage: int) -> tuple[str, ...]:
     """The hosts of the expert-parallel group holding replica's first rank of a stage."""
-    first = plan.tensor_group(replica, stage)[0]
-    group = next(g for g in plan.expert_groups(stage) if first in g)
+    first = plan.grid.tensor_group(replica, stage)[0]
+    group = next(g for g in plan.grid.expert_groups(stage) if first in g)
     return tuple(plan.device_of_logical(r).host for r in group)
 
 
@@ -173,25 +246,29 @@ def micro_batch_spreads(plan: Plan, costs: CostModel, grid: list[list[StageSlot]
             for d, row in enumerate(grid)]
 
 
-def simulate_pipelines(plan: Plan, timings: list[list[StageTiming]], virtual_stages: int,
+def simulate_pipelines(plan: Plan, works: list[list[StageWork]], virtual_stages: int = 1,
                        spreads: list[list[float]] | None = None) -> tuple[list[float], dict[int, list[list[Op]]]]:
     """(expected latest end of each stage over the replicas, each replica's ops). Replicas
-    with the same timings and micro-batch count simulate once. The interleaved schedule runs
-    each micro-batch as v chunks of 1/v of the stage, each sent on: simulated as v*m micro-
-    batches of 1/v of the compute with whole sends, which gives its bubble (p-1)/(v*m).
-    spreads (micro_batch_spreads): the replicas meet at the gradient reduction, so a stage
-    ends when its slowest replica does, later than the slowest mean when they vary."""
+    with the same work and micro-batch count simulate once: 1F1B (schedule.py), or with
+    virtual stages megatron-core's interleaved schedule over the stages' chunks
+    (interleaved_schedule.py). spreads (micro_batch_spreads): the replicas meet at the
+    gradient reduction, so a stage ends when its slowest replica does, later than the
+    slowest mean when they vary."""
     simulated: dict[tuple, list[list[Op]]] = {}
     timelines: dict[int, list[list[Op]]] = {}
-    ends: list[list[tuple[float, float]]] = [[] for _ in range(plan.pipeline_parallel)]
+    pp = plan.pipeline_parallel
+    ends: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     v = virtual_stages
-    for d, row in enumerate(timings):
+    layers = [chunk_layers(plan, s, v) for s in range(pp)]
+    for d, row in enumerate(works):
         m = plan.replicas[d].num_micro_batches
         key = (tuple(row), m)
         if key not in simulated:
-            chunks = row if v == 1 else [
-                StageTiming(t.forward_s / v, t.backward_s / v, t.send_forward_s, t.send_backward_s) for t in row]
-            simulated[key] = simulate_1f1b(chunks, m * v)
+            if v == 1:
+                simulated[key] = simulate_1f1b([work.timing for work in row], m)
+            else:
+                simulated[key] = simulate_interleaved(
+                    [work.chunks(layers[s], s == 0, s == pp - 1) for s, work in enumerate(row)], m)
         timelines[d] = simulated[key]
         for s, ops in enumerate(simulated[key]):
             ends[s].append((ops[-1].end, replica_spread(spreads[d][s], m) if spreads else 0.0))
@@ -210,7 +287,7 @@ def gradient_reduction(plan: Plan, cluster: Cluster, costs: CostModel, grid: lis
     # The experts' gradients reduce over their own groups, all stages' at once: those that span
     # cluster groups share the links between them as the dense groups do.
     expert_crossings = sum(
-        1 for s in range(pp) for group in (plan.expert_data_groups(s) if plan.expert_parallel > 1 else ())
+        1 for s in range(pp) for group in (plan.grid.expert_data_groups(s) if plan.expert_parallel > 1 else ())
         if len({cluster.node(plan.device_of_logical(r).host).group for r in group}) > 1)
     reduce_s = []
     for s in range(pp):
@@ -241,7 +318,7 @@ def _expert_plan_reduction(plan: Plan, costs: CostModel, s: int, hosts: list[lis
     dense_s = max(costs.gradient_sync(costs.allreduce_terms(tuple(hosts[t]), crossing_groups), dense, dp, last_backward)
                   for t in range(tp))
     expert_s = 0.0
-    for group in plan.expert_data_groups(s):
+    for group in plan.grid.expert_data_groups(s):
         group_hosts = tuple(plan.device_of_logical(r).host for r in group)
         expert_s = max(expert_s, costs.gradient_sync(costs.allreduce_terms(group_hosts, expert_crossings), experts,
                                                      len(group)))
@@ -303,6 +380,8 @@ def stage_memories(plan: Plan, cluster: Cluster, costs: CostModel, grid: list[li
 
 def fits_in_memory(plan: Plan, cluster: Cluster, costs: CostModel) -> bool:
     """predict(plan, cluster, costs).fits, without predicting the time."""
+    if plan.num_templates > 1:
+        return all(fits_in_memory(plan.template_plan(k), cluster, costs) for k in range(plan.num_templates))
     costs = costs.with_experts(plan.expert_parallel, plan.expert_tensor_parallel)
     return all(memory.total <= capacity_bytes(cluster.devices[slot.device_type].memory_gib)
                for slot, memory in slot_memories(plan, costs, slots(plan, cluster)))
@@ -325,11 +404,14 @@ def model_tflops(plan: Plan, costs: CostModel, grid: list[list[StageSlot]], iter
 
 
 def predict(plan: Plan, cluster: Cluster, costs: CostModel) -> Prediction:
+    if plan.num_templates > 1:  # each template as a plan of its own, then their common reduction
+        return predict_templates(plan, cluster, costs, predict)
     costs = costs.with_experts(plan.expert_parallel, plan.expert_tensor_parallel)
     grid = slots(plan, cluster)
-    timings = stage_timings(plan, cluster, costs, grid)
+    works = stage_works(plan, cluster, costs, grid)
+    timings = [[work.timing for work in row] for row in works]
     spreads = micro_batch_spreads(plan, costs, grid, timings)
-    stage_end, timelines = simulate_pipelines(plan, timings, costs.setup.virtual_stages, spreads)
+    stage_end, timelines = simulate_pipelines(plan, works, virtual_stages_of(plan, costs), spreads)
     reduce_s = gradient_reduction(plan, cluster, costs, grid, timings)
     optimizer_s = optimizer_time(plan, costs, grid)
     iteration = max(end + reduce for end, reduce in zip(stage_end, reduce_s)) + optimizer_s

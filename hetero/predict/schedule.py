@@ -42,6 +42,8 @@ class Op(NamedTuple):
     micro_batch: int
     start: float
     end: float
+    chunk: int = 0
+    """The model chunk (virtual stage of this rank) under the interleaved schedule."""
 
 
 class PipelineShape(NamedTuple):
@@ -66,6 +68,15 @@ def pipeline_shape(work: Sequence[float]) -> PipelineShape:
     (its forward, its backward and its sends; stage_work)."""
     step = max(work)
     return PipelineShape(sum(work) - step, step)
+
+
+def interleaved_shape(shape: PipelineShape, virtual_stages: int) -> PipelineShape:
+    """The closed form of megatron-core's interleaved 1F1B (interleaved_schedule.py) on
+    stages that work as `shape`'s do per micro-batch, their v-fold transfers included: the
+    pipeline fills and drains one model chunk, 1/v of a stage, at a time, so the fill is 1/v
+    of plain 1F1B's (Narayanan et al., SC21), and the slowest stage still paces every
+    micro-batch. Equal to the simulation on equal stages with free transfers."""
+    return PipelineShape(shape.fill_s / virtual_stages, shape.step_s)
 
 
 def stage_work(timing: StageTiming) -> float:
@@ -172,7 +183,7 @@ def _run_stage(s: int, timing: StageTiming, order: list[tuple[str, int]], forwar
                 returns_to[i] = t
                 sent_backward = True
         if ops is not None:
-            ops.append(new_op(Op, (s, kind, i, start, t)))
+            ops.append(new_op(Op, (s, kind, i, start, t, 0)))
         k += 1
     clock[s], position[s] = t, k
     if sent_forward and s < last:

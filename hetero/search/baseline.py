@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from hetero.spec.cluster import Cluster
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
-from hetero.plan import DeviceEntry, Plan, logical_rank_at
+from hetero.grid import Grid
+from hetero.plan import DeviceEntry, Plan
 from hetero.search.options import FLOOR_ROUNDING, PlannerOptions, setup_for
 from hetero.search.planner import Planner
 from hetero.predict.predictor import Prediction, fits_in_memory, predict
@@ -122,8 +124,10 @@ def _compute_only(model: ModelSpec, global_batch_size: int, layout: _UniformLayo
         return StageTiming(layers * min(x.forward_s for x in layer) + extra[0],
                            layers * min(x.backward_s for x in layer) + extra[1])
 
+    grid = Grid.single(tp, dp, pp)
+
     def replica(d: int) -> tuple[StageTiming, ...]:  # the uniform plan's rank_order is the identity
-        return tuple(stage(devices[logical_rank_at(0, d, s, tp, dp)], s) for s in range(pp))
+        return tuple(stage(devices[grid.rank_at(0, d, s)], s) for s in range(pp))
 
     return _ComputeOnly(list(dict.fromkeys([replica(0), replica(dp - 1)])), global_batch_size // (mbs * dp))
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import collections
 from typing import Callable, Iterable, TypeVar
 
-from hetero.predict.costs import CostModel, LayerCost
+from hetero.predict.costs import CostModel
+from hetero.predict.layer_costs import LayerCost
 from hetero.predict.memory import stage_params
 from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s, packed_expert_group
 from hetero.predict.tied_embedding import tied_embedding_sync_s
@@ -136,6 +137,13 @@ class CostBlocks(Memoised):
         """How much a micro-batch of a replica on classes `pattern` varies: its most varying class's."""
         return self._memo(("cv", pattern, tp, mbs), lambda: max(
             self.job_costs(tp).micro_batch_cv(self.classes[c].device_type, tp[c], mbs) for c in pattern))
+
+    def optimizer_step(self, c: int, tp: Degrees, params: float) -> float:
+        """The optimizer step of a rank of class c holding `params` (CostModel.optimizer_step)."""
+        key = ("step", c, max(tp), params)
+        if key not in self._cache:
+            self._cache[key] = self.job_costs(tp).optimizer_step(self.classes[c].device_type, params)
+        return self._cache[key]
 
     def stage_params(self, layers: list[int], s: int) -> float:
         """Parameters of stage s of a pipeline split so (memory.stage_params)."""

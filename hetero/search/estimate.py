@@ -12,21 +12,14 @@ cannot matter before it is split.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence, TypeVar
 
-from hetero.plan import Plan
-from hetero.predict.expert_exchange import expert_data_group_hosts, expert_exchange_beyond_node_s, unpaired_exchange_s
 from hetero.predict.memory import stage_expert_params
-from hetero.predict.moe_overlap import unpaired_share
-from hetero.predict.predictor import expert_group_hosts, stage_recompute
-from hetero.predict.schedule import PipelineShape, pipeline_shape
-from hetero.predict.stragglers import replica_spread, slowest_of
-from hetero.predict.tied_embedding import tied_embedding_sync_s
+from hetero.predict.schedule import PipelineShape, interleaved_shape, pipeline_shape
+from hetero.predict.stragglers import expected_slowest, replica_spread, slowest_of
 from hetero.search.cost_blocks import CostBlocks, Memoised
-from hetero.search.expert_parallel import expert_tensor_parallel_for
 from hetero.search.memory_fit import MemoryFit, StageClasses
 from hetero.search.options import Degrees, PlannerOptions
 from hetero.spec.cluster import Cluster
@@ -60,37 +53,49 @@ def split_layers(num_layers: int, per_layer: list[float], extra: list[float],
     return layers
 
 
-def allocate_micro_batches(total: int, replicas: dict[K, int], shape: dict[K, PipelineShape]
-                           ) -> dict[K, list[int]] | None:
+def allocate_micro_batches(total: int, replicas: dict[K, int], shape: dict[K, PipelineShape],
+                           granularity: dict[K, int] | None = None) -> dict[K, list[int]] | None:
     """Micro-batches per replica so that all finish together.
 
     replicas[k]: how many replicas have shape k; a replica of shape k running m micro-batches
-    takes shape[k].time(m) (the 1F1B closed form). Returns {k: [m per replica]}. Replicas of
-    one shape are interchangeable: start from the continuous solution (all finish at T with
+    takes shape[k].time(m) (the 1F1B closed form); granularity[k] (default 1): its counts
+    must be multiples of this (an interleaved pipeline runs whole groups of its depth).
+    Returns {k: [m per replica]}, None if no such split exists. Replicas of one shape are
+    interchangeable: start from the continuous solution (all finish at T with
     sum_k n_k (T - fill_k) / step_k = total), round down, then hand out what is left one
     shape-round at a time to whoever finishes earliest, and take back any excess from those
     finishing last.
     """
-    if total < sum(replicas.values()):
+    unit = granularity or {}
+    g = {k: unit.get(k, 1) for k in replicas}
+    if total < sum(n * g[k] for k, n in replicas.items()):
         return None
     rate = sum(n / shape[k].step_s for k, n in replicas.items())
     finish = (total + sum(n * shape[k].fill_s / shape[k].step_s for k, n in replicas.items())) / rate
-    per = {k: max(1, int((finish - shape[k].fill_s) / shape[k].step_s)) for k in replicas}
-    given = sum(replicas[k] * per[k] for k in replicas)
+    per = {k: max(1, int((finish - shape[k].fill_s) / shape[k].step_s) // g[k]) for k in replicas}
+    given = sum(replicas[k] * per[k] * g[k] for k in replicas)
     while given < total:
-        k = min(replicas, key=lambda k: (shape[k].time(per[k] + 1), k))
+        k = min(replicas, key=lambda k: (shape[k].time(g[k] * (per[k] + 1)), k))
         per[k] += 1
-        given += replicas[k]
+        given += replicas[k] * g[k]
     while True:  # take back from whoever finishes last: whole rounds, then part of one
-        k = max((k for k in replicas if per[k] > 1), key=lambda k: (shape[k].time(per[k]), k), default=None)
-        if k is None or given - total < replicas[k]:
+        k = max((k for k in replicas if per[k] > 1), key=lambda k: (shape[k].time(g[k] * per[k]), k), default=None)
+        if k is None or given - total < replicas[k] * g[k]:
             break
         per[k] -= 1
-        given -= replicas[k]
+        given -= replicas[k] * g[k]
     lowered = {k: 0 for k in replicas}
-    if given > total:
-        lowered[k] = given - total
-    return {k: [per[k]] * (replicas[k] - lowered[k]) + [per[k] - 1] * lowered[k] for k in replicas}
+    excess = given - total
+    # part of a round: one unit fewer on some replicas, those finishing last first
+    for k in sorted((k for k in replicas if per[k] > 1), key=lambda k: (shape[k].time(g[k] * per[k]), k),
+                    reverse=True):
+        if excess == 0:
+            break
+        lowered[k] = min(replicas[k], excess // g[k])
+        excess -= lowered[k] * g[k]
+    if excess:
+        return None
+    return {k: [per[k] * g[k]] * (replicas[k] - lowered[k]) + [(per[k] - 1) * g[k]] * lowered[k] for k in replicas}
 
 
 class Shape(NamedTuple):
@@ -122,6 +127,8 @@ class PipelineFit:
     modes: tuple[str, ...]
     floor: float
     """No split or micro-batch allocation makes the pipeline faster."""
+    interleaved_floor: float
+    """...nor any of the options' interleavings (FastEstimate.interleaved)."""
 
 
 class FastEstimate(Memoised):
@@ -155,22 +162,32 @@ class FastEstimate(Memoised):
         sends = {p: self.blocks.pattern_sends(p, tp, mbs, shape.same_node, crossings) for p in distinct}
         times = {p: self.blocks.stage_layer_times(p, modes, tp, mbs) for p in distinct}
         counts = _replica_counts(shape.patterns)
-        floor = self.pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs)
-        return PipelineFit(at_stage, counts, sends, times, caps, modes, floor)
+        floors = self.pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs,
+                                     self._most_chunks(shape))
+        return PipelineFit(at_stage, counts, sends, times, caps, modes, *floors)
 
-    def loose_floor(self, shape: Shape) -> float:
-        """PipelineFit.floor before knowing the memory: every stage under its fastest
-        recomputation, with room for all the layers."""
-        def compute() -> float:
+    def _most_chunks(self, shape: Shape) -> int:
+        """The most virtual stages a shape may interleave with (1: none)."""
+        classes = {c for pattern, _ in shape.patterns for c in pattern}
+        if len(shape.patterns[0][0]) < 2 or len({shape.degrees[c] for c in classes}) > 1:
+            return 1  # one stage, or a degree per stage (no interleaving with it)
+        return max(self.blocks.options.virtual_stages)
+
+    def loose_floor(self, shape: Shape) -> tuple[float, float]:
+        """PipelineFit's (floor, interleaved_floor) before knowing the memory: every stage
+        under its fastest recomputation, with room for all the layers."""
+        def compute() -> tuple[float, float]:
             tp, mbs = shape.degrees, shape.micro_batch_size
             counts = _replica_counts(shape.patterns)
             crossings = sum(counts.values()) * max(tp)
             sends = {p: self.blocks.pattern_sends(p, tp, mbs, shape.same_node, crossings) for p in counts}
-            fastest = {c: min(self.blocks.layer_time(c, tp, mbs, mode) for mode in self.memory.recompute_modes)
-                       for c in set().union(*counts)}
+            fastest = {c: self._memo(("fastest", c, tp[c], max(tp), mbs), lambda: min(
+                self.blocks.layer_time(c, tp, mbs, mode) for mode in self.memory.recompute_modes))
+                for c in set().union(*counts)}
             times = {p: [fastest[c] for c in p] for p in counts}
             caps = [self.model.num_layers] * len(shape.patterns[0][0])
-            return self.pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs)
+            return self.pipeline_floor(counts, sends, times, caps, tp, mbs, self.global_batch_size // mbs,
+                                       self._most_chunks(shape))
         return self._memo(("loose floor",) + shape, compute)
 
     def split(self, shape: Shape, pipe: PipelineFit
@@ -197,24 +214,72 @@ class FastEstimate(Memoised):
 
     def pipeline_floor(self, counts: dict[Pattern, int], sends: dict[Pattern, list[float]],
                        times: dict[Pattern, list[float]], caps: list[int], tp: Degrees, mbs: int,
-                       total_mb: int) -> float:
-        """A lower bound on the pipeline part of a shape's estimate, whatever the layer split
-        (within the stages' caps) and the micro-batch allocation. A replica of pattern p
-        running m micro-batches takes fill + m * step = sum(work) + (m - 1) * max(work)
-        (replica_shape): at least least_p + (m - 1) * step_p, least_p with the layers on
-        the pattern's fastest stages and step_p with the layers spread perfectly over its
-        stages. Every replica runs at least one micro-batch, and together they run
-        total_mb: the slowest takes at least the returned time."""
+                       total_mb: int, chunks: int = 1) -> tuple[float, float]:
+        """Lower bounds on the pipeline part of a shape's estimate, whatever the layer split
+        (within the stages' caps) and the micro-batch allocation: plain, and with up to
+        `chunks` virtual stages. A replica of pattern p running m micro-batches takes
+        fill + m * step = sum(work) + (m - 1) * max(work) (replica_shape), stage s working
+        n_s * t_s + x_s (its layers, then its sends and ends): at least least_p + (m - 1) *
+        step_p, least_p with the layers on the pattern's fastest stages, and step_p the least
+        slowest stage over every split: a split whose slowest stage takes M has n_s <= (M -
+        x_s) / t_s, and the n_s sum to the layers, so M >= (layers + sum x_s / t_s) / sum 1 /
+        t_s; and every stage holds a layer. Interleaved in v chunks (interleaved_shape: the
+        fill over v, more sends) it takes at least least_p / v + (m - 1 / v) * step_p. Every
+        replica runs at least one micro-batch, and together they run total_mb: the slowest
+        takes at least the returned times."""
         num_layers = self.model.num_layers
-        rate = offset = slowest_single = 0.0
+        rate = offset = slowest_single = slowest_interleaved = 0.0
+        v = chunks
         for p, n in counts.items():
-            least = (_least_layer_work(times[p], caps, num_layers) + sum(sends[p])
-                     + sum(self.blocks.end_times([p[0]], [p[-1]], len(p), tp, mbs)))
-            step = num_layers / sum(1 / t for t in times[p])
+            at_first, at_last = self.blocks.end_times([p[0]], [p[-1]], len(p), tp, mbs)
+            extra = list(sends[p])
+            extra[0] += at_first
+            extra[-1] += at_last
+            least = _least_layer_work(times[p], caps, num_layers) + sum(sends[p]) + at_first + at_last
+            spread = (num_layers + sum(x / t for x, t in zip(extra, times[p]))) / sum(1 / t for t in times[p])
+            step = max(spread, max(t + x for t, x in zip(times[p], extra)))
             rate += n / step
             offset += n * least / step
             slowest_single = max(slowest_single, least)
-        return max(slowest_single, (total_mb - sum(counts.values()) + offset) / rate)
+            slowest_interleaved = max(slowest_interleaved, least / v + (1 - 1 / v) * step)
+        replicas = sum(counts.values())
+        return (max(slowest_single, (total_mb - replicas + offset) / rate),
+                max(slowest_interleaved, (total_mb - (replicas - offset) / v) / rate))
+
+    def interleaved(self, shape: Shape, pipe: PipelineFit, layers: list[int]) -> tuple[int, float] | None:
+        """(virtual stages, seconds of the busiest replica) of the shape's best interleaving by
+        the estimate (interleaved_shape; micro-batches in whole groups of the pipeline's depth,
+        as megatron-core runs them), with layers split as for 1F1B; None where none of the
+        options' interleavings runs or fits."""
+        return self._memo(("interleaved",) + shape, lambda: self._interleaved(shape, pipe, layers))
+
+    def _interleaved(self, shape: Shape, pipe: PipelineFit, layers: list[int]) -> tuple[int, float] | None:
+        tp, mbs, stages = shape.degrees, shape.micro_batch_size, len(layers)
+        d = sum(pipe.counts.values())
+        same = dict(shape.same_node)
+        best = None
+        for v in self.blocks.options.virtual_stages:
+            if v == 1 or v > self._most_chunks(shape) or min(layers) < v:
+                continue
+            if any(layers[s] > self.memory.stage_caps(c, tp, mbs, d, stages, pipe.modes[s], v)[s]
+                   for s, classes in enumerate(pipe.at_stage) for c in classes):
+                continue  # the chunks in flight do not fit
+            shapes = {}
+            for p, sends in pipe.sends.items():
+                sends = [v * x for x in sends]  # every chunk crosses every boundary...
+                a, b = p[-1], p[0]  # ...and all but the last wrap around from the last stage to the first
+                crossings = d * max(tp[a], tp[b])
+                sends[-1] += (v - 1) * self.blocks.send_time(a, b, tp, mbs, a == b and same.get(a, False), crossings)
+                sends[0] += (v - 1) * self.blocks.send_time(b, a, tp, mbs, a == b and same.get(a, False), crossings)
+                shapes[p] = interleaved_shape(self.replica_shape(p, layers, pipe.modes, tp, mbs, sends), v)
+            micro = allocate_micro_batches(self.global_batch_size // mbs, pipe.counts, shapes,
+                                           {p: stages for p in shapes})
+            if micro is None:
+                continue
+            seconds = self.slowest_replica(((p, shapes[p], m) for p in micro for m in micro[p]), tp, mbs)
+            if best is None or seconds < best[1]:
+                best = (v, seconds)
+        return best
 
     # ----- the pieces of an estimate, shared by a shape's and a given plan's -------------
 
@@ -234,9 +299,21 @@ class FastEstimate(Memoised):
         """Expected end of the slowest of replicas given as (pattern, shape, micro-batches):
         the predictor's stage ends (hetero/predict/stragglers.py), one step's variation for a
         micro-batch's."""
+        alike: dict[tuple[Pattern, PipelineShape, int], int] = {}  # replicas alike, counted once
+        for replica in replicas:
+            alike[replica] = alike.get(replica, 0) + 1
+        if len(alike) == 1:
+            (pattern, shape, m), = alike
+            if self.blocks.micro_batch_cv(pattern, tp, mbs) == 0:
+                return shape.time(m)
         cv = self.blocks.micro_batch_cv
-        return slowest_of((shape.time(m), replica_spread(cv(pattern, tp, mbs) * shape.step_s, m))
-                          for pattern, shape, m in replicas)
+        ends: dict[tuple[float, float], int] = {}  # slowest_of's own grouping, in its order
+        for (pattern, shape, m), n in alike.items():
+            end = (shape.time(m), replica_spread(cv(pattern, tp, mbs) * shape.step_s, m))
+            ends[end] = ends.get(end, 0) + n
+        if all(sigma == 0 for _, sigma in ends):
+            return max(end for end, _ in ends)
+        return expected_slowest((end, sigma, n) for (end, sigma), n in ends.items())
 
     def reduce_and_step(self, tp: Degrees, mbs: int, d: int, layers: list[int], modes: Sequence[str],
                         at_stage: Sequence[Sequence[int]], terms: list[tuple[float, float]],
@@ -289,94 +366,23 @@ class FastEstimate(Memoised):
                 return dense / share + experts / (costs.expert_data_parallel_at(tp[c], d) if share > 1 else 1)
             return reduce + max(costs.optimizer_step(blocks.classes[c].device_type, rank_share(s, c))
                                 for s in heaviest.values() for c in at_stage[s])
-        optimizer = max(costs.optimizer_step(blocks.classes[c].device_type,
-                                             blocks.stage_params(layers, s) / tp[c] / share)
+        optimizer = max(blocks.optimizer_step(c, tp, blocks.stage_params(layers, s) / tp[c] / share)
                         for s in heaviest.values() for c in at_stage[s])
         return reduce + optimizer
 
-    def _expert_groups_as_placed(self, plan: Plan, d: int, s: int, c: int, tp: Degrees, recompute: str) -> float:
-        """What one layer of replica d's stage s (on class c) takes beyond blocks.layer_cost's
-        estimate, forward and backward, with its expert-parallel group where the plan puts it
-        (the same function prices both: predict/expert_exchange.py)."""
+    def optimizer_step_s(self, tp: Degrees, d: int, layers: list[int], at_stage: Sequence[Sequence[int]]) -> float:
+        """The slowest rank's optimizer step of a pipeline (no experts): each stage's
+        parameters over its degree, and over the d replicas with the distributed optimizer."""
         blocks = self.blocks
-        costs, cl, host = blocks.job_costs(tp), blocks.classes[c], plan.stage_device(d, s).host
-        placed = expert_exchange_beyond_node_s(costs, expert_group_hosts(plan, d, s), host, cl.device_type,
-                                               tp[c], plan.micro_batch_size, recompute)
-        packed = expert_exchange_beyond_node_s(costs, blocks.expert_group(c, tp), cl.hosts[0], cl.device_type,
-                                               tp[c], plan.micro_batch_size, recompute)
-        return sum(placed) - sum(packed)
+        share = d if blocks.options.setup.distributed_optimizer else 1
+        return max(blocks.optimizer_step(c, tp, blocks.stage_params(layers, s) / tp[c] / share)
+                   for s in range(len(layers)) for c in at_stage[s])
 
     def _rank_params(self, layers: list[int], s: int, tensor_parallel: int, costs) -> tuple[float, float]:
         """(dense, expert) parameters of one rank of stage s (memory.rank_params)."""
         experts = stage_expert_params(costs, layers[s], s == len(layers) - 1)
         grid = costs.expert_parallel * costs.expert_tensor_parallel_at(tensor_parallel)
         return (self.blocks.stage_params(layers, s) - experts) / tensor_parallel, experts / grid
-
-    def of_plan(self, plan: Plan) -> tuple[bool, float]:
-        """The fast estimate of a given plan (its layout, layers, micro-batches and
-        recomputation as they are): (fits in memory, seconds per iteration). What the
-        search ranks candidates by, applied to any plan: tests compare it with predict()."""
-        blocks, cluster = self.blocks, self.blocks.cluster
-        # an estimate priced for the plan's expert grid (as the search would price it)
-        grid = (plan.expert_parallel, expert_tensor_parallel_for(plan.expert_parallel, plan.expert_tensor_parallel))
-        if self.model.is_moe and grid != (blocks.expert_parallel, blocks.costs_for(1).expert_tensor_parallel):
-            options = dataclasses.replace(blocks.options, expert_parallel=(plan.expert_parallel,),
-                                          expert_tensor_parallel=plan.expert_tensor_parallel)
-            return FastEstimate(cluster, self.model, self.global_batch_size, options, blocks.profiles).of_plan(plan)
-        pp, dp, mbs = plan.pipeline_parallel, plan.data_parallel, plan.micro_batch_size
-        hosts = [[plan.stage_device(d, s).host for s in range(pp)] for d in range(dp)]
-        patterns = [tuple(blocks.class_of[h] for h in row) for row in hosts]
-        degrees = {c: plan.stage_tensor_parallel[s] for pattern in patterns for s, c in enumerate(pattern)}
-        tp = tuple(degrees.get(c, plan.tensor_parallel) for c in range(len(blocks.classes)))
-        costs = blocks.job_costs(tp)
-        at_stage = [sorted({p[s] for p in patterns}) for s in range(pp)]
-        layers = [stage.num_layers for stage in plan.stages]
-        modes = [stage_recompute(plan, s, costs) for s in range(pp)]
-        fits = all(layers[s] <= self.memory.layer_cap(pattern[s], tp, mbs, dp, s, pp, modes[s],
-                                                      plan.replicas[d].num_micro_batches)
-                   for d, pattern in enumerate(patterns) for s in range(pp))
-        replicas = []
-        for d, pattern in enumerate(patterns):
-            sends = [0.0] * pp
-            for s in range(pp - 1):
-                a, b, same = pattern[s], pattern[s + 1], hosts[d][s] == hosts[d][s + 1]
-                at_boundary = dp * max(tp[a], tp[b])
-                sends[s] += blocks.send_time(a, b, tp, mbs, same, at_boundary)
-                sends[s + 1] += blocks.send_time(b, a, tp, mbs, same, at_boundary)
-            if plan.expert_parallel > 1:  # the plan's own expert groups for the packed one layer_cost priced
-                for s in range(pp):
-                    exchanging = layers[s] + (costs.mtp_exchange_layers() if s == pp - 1 else 0.0)
-                    sends[s] += exchanging * self._expert_groups_as_placed(plan, d, s, pattern[s], tp, modes[s])
-                    # the pipeline's unpaired chunks with overlapped all-to-alls (the search
-                    # leaves them out: a replica's micro-batch count is not known there)
-                    alone = unpaired_share(plan.replicas[d].num_micro_batches, pp, s, costs.setup.virtual_stages)
-                    if alone:
-                        unpaired = unpaired_exchange_s(costs, expert_group_hosts(plan, d, s), blocks.classes[pattern[s]].device_type,
-                                                       tp[pattern[s]], mbs, modes[s])
-                        sends[s] += exchanging * alone * sum(unpaired)
-            replicas.append((pattern, self.replica_shape(pattern, layers, modes, tp, mbs, sends),
-                             plan.replicas[d].num_micro_batches))
-        pipeline = self.slowest_replica(replicas, tp, mbs)
-        groups = [[plan.device_of_logical(r).host for r in plan.data_group(0, s)] for s in range(pp)]
-        crossing = [s for s, g in enumerate(groups) if len({cluster.node(h).group for h in g}) > 1]
-        spanning = sum(plan.stage_tensor_parallel[s] for s in crossing)
-        terms = [costs.allreduce_terms(tuple(g), max(1, spanning)) for g in groups]
-        expert_terms = None
-        if plan.expert_parallel > 1:
-            expert_spanning = sum(costs.expert_parallel * costs.expert_tensor_parallel_at(plan.stage_tensor_parallel[s])
-                                  for s in crossing)
-            expert_terms = [costs.allreduce_terms(
-                expert_data_group_hosts(g, costs.expert_data_parallel_at(plan.stage_tensor_parallel[s], dp)),
-                max(1, expert_spanning)) for s, g in enumerate(groups)]
-        tie_s = tied_embedding_sync_s(costs, [hosts_of_stage(plan, d, 0) for d in range(dp)],
-                                      [hosts_of_stage(plan, d, pp - 1) for d in range(dp)]) if pp > 1 else 0.0
-        return fits, pipeline + self.reduce_and_step(tp, mbs, dp, layers, modes, at_stage, terms, tie_s, expert_terms)
-
-
-def hosts_of_stage(plan: Plan, replica: int, stage: int) -> list[str]:
-    """The host of each tensor-parallel rank of a replica's stage."""
-    return [plan.device_of_logical(r).host for r in plan.tensor_group(replica, stage)]
-
 
 def _replica_counts(patterns: Iterable[tuple[Pattern, int]]) -> dict[Pattern, int]:
     """Replicas of each pattern (a pattern may come back further on in replica order)."""

@@ -63,7 +63,7 @@ def with_expert_parallel(plan: Plan, expert_parallel: int, expert_tensor_paralle
         bound = Plan.from_dict({**data, "replicas": [{**r, "num_micro_batches": 1} for r in data["replicas"]]})
     except (PlanError, ValidationError, ValueError):
         return None
-    counts = equal_block_counts([r.num_micro_batches for r in plan.replicas], bound.expert_replica_blocks())
+    counts = equal_block_counts([r.num_micro_batches for r in plan.replicas], bound.grid.expert_replica_blocks)
     if counts is None:
         return None
     data["replicas"] = [{**r, "num_micro_batches": n} for r, n in zip(data["replicas"], counts)]

@@ -105,12 +105,38 @@ class LayoutFamilies(Memoised):
             if sum(k) > self.model.num_layers or d_use < 1:
                 continue
             counts = dict(zip(classes, k))
-            for pattern in stage_patterns(self._class_orders(classes), counts, {c: tp[c] for c in classes}):
+            for pattern in stage_patterns(self._class_orders(classes), counts, {c: tp[c] for c in classes},
+                                          self._memory_gib(classes)):
                 for order in ORDERS:
                     parts, same = self._cross_class_layout(tp, pattern, d_use, order)
                     candidate = self.judge("cross-class", order, tp, mbs, [(pattern, d_use)], parts, same)
                     if candidate is not None:
                         yield candidate
+
+    def class_orders_of(self, candidate: Candidate) -> list[Candidate]:
+        """A cross-class candidate in every other class order the family tries (same degrees,
+        micro-batch size, replicas and stages per class), each placement order, estimated
+        whether or not it could reach the shortlist: the interleaved schedule's bubbles and
+        transfers depend on where each class sits, which the 1F1B estimate does not see."""
+        pattern, tp, mbs = candidate.replica_classes[0], candidate.degrees, candidate.micro_batch_size
+        classes = sorted(set(pattern))
+        counts = {c: pattern.count(c) for c in classes}
+        leaders, self.leaders = self.leaders, None
+        found = []
+        try:
+            for other in stage_patterns(self._class_orders(classes), counts, {c: tp[c] for c in classes},
+                                        self._memory_gib(classes)):
+                for order in ORDERS:
+                    if other == pattern and order == candidate.order:
+                        continue
+                    parts, same = self._cross_class_layout(tp, other, len(candidate.replica_classes), order)
+                    judged = self.judge("cross-class", order, tp, mbs, [(other, len(candidate.replica_classes))],
+                                        parts, same)
+                    if judged is not None:
+                        found.append(judged)
+        finally:
+            self.leaders = leaders
+        return found
 
     def _cross_class_layout(self, tp: Degrees, pattern: Pattern, replicas: int, order: str) -> Layout:
         """Where each stage's data-parallel group lies, and whether a replica's consecutive
@@ -125,6 +151,11 @@ class LayoutFamilies(Memoised):
                     for c in sorted(set(pattern))}
             return parts, same
         return self._memo(("cross-class layout", tp, pattern, replicas, order), compute)
+
+    def _memory_gib(self, classes: list[int]) -> dict[int, float]:
+        """Each class's device memory."""
+        devices = self.blocks.cluster.devices
+        return {c: devices[self.blocks.classes[c].device_type].memory_gib for c in classes}
 
     def _class_orders(self, classes: list[int]) -> list[tuple[int, ...]]:
         """Stage orders worth trying: all of them for few classes, else grouped by fabric."""
@@ -222,15 +253,21 @@ class LayoutFamilies(Memoised):
             return None
         shape = Shape(tp, mbs, tuple(patterns), tuple(sorted(same_node.items())))
         # Nobody needs to hear whether the shape fits without a sweep: spare it the memory model.
-        if sweep is None and not self._worth_judging(family, self.estimate.loose_floor(shape), None):
+        if sweep is None and not self._worth_judging(family, *self.estimate.loose_floor(shape), None):
             return None
         pipe = self.estimate.fit_pipeline(shape)
-        if pipe is None or not self._worth_judging(family, pipe.floor, sweep):
+        if pipe is None or not self._worth_judging(family, pipe.floor, pipe.interleaved_floor, sweep):
             return None
         split = self.estimate.split(shape, pipe)
         if split is None:
             return None
         layers, micro, pipeline = split
+        interleaved = None
+        if self.leaders is None or pipe.interleaved_floor * (1 - FLOOR_ROUNDING) <= self.leaders.interleaved_bar():
+            interleaved = self.estimate.interleaved(shape, pipe, layers)
+        # the pipelines alone, plain and interleaved, are floors of the estimates
+        if not self._worth_judging(family, pipeline, interleaved[1] if interleaved else float("inf"), sweep):
+            return None
         terms = self.blocks.stage_group_terms(tp, dp_parts)
         expert_terms = self.blocks.stage_expert_group_terms(tp, dp_parts) if self.blocks.expert_parallel > 1 else None
         after = self.estimate.reduce_and_step(tp, mbs, d, layers, pipe.modes, pipe.at_stage, terms,
@@ -239,23 +276,27 @@ class LayoutFamilies(Memoised):
         replica_classes = list(itertools.chain.from_iterable([p] * n for p, n in patterns))
         micro_batches = list(itertools.chain.from_iterable(itertools.islice(given[p], n) for p, n in patterns))
         candidate = Candidate(family, order, tp, mbs, list(layers), replica_classes, micro_batches,
-                              pipeline + after, list(pipe.modes))
+                              pipeline + after, list(pipe.modes),
+                              (interleaved[0], interleaved[1] + after) if interleaved else None)
         if self.leaders is not None:
             self.leaders.add(candidate)
         if sweep is not None:
             sweep.record(candidate.estimate_s)
         return candidate
 
-    def _worth_judging(self, family: str, floor: float, sweep: StageSweep | None) -> bool:
-        """Whether a shape whose estimate is at least `floor` can still matter: reach the
-        shortlist (while the search keeps only contenders), or change its sweep's course. A
-        shape that cannot (and fits, as it does whenever a sweep is given) is reported to its
-        sweep with its floor, which steers the sweep exactly as its estimate would (both lie
-        above StageSweep.bar)."""
+    def _worth_judging(self, family: str, floor: float, interleaved_floor: float,
+                       sweep: StageSweep | None) -> bool:
+        """Whether a shape whose estimate is at least `floor` (interleaved: at least
+        interleaved_floor) can still matter: reach the shortlist or the interleaved one
+        (while the search keeps only contenders), or change its sweep's course. A shape that
+        cannot (and fits, as it does whenever a sweep is given) is reported to its sweep with
+        its floor, which steers the sweep exactly as its estimate would (both lie above
+        StageSweep.bar)."""
         if self.leaders is None:
             return True
         floor *= 1 - FLOOR_ROUNDING  # so that rounding never lifts it above the estimate
-        if floor <= self.leaders.bar(family) or (sweep is not None and floor <= sweep.bar()):
+        if (floor <= self.leaders.bar(family) or interleaved_floor * (1 - FLOOR_ROUNDING) <= self.leaders.interleaved_bar()
+                or (sweep is not None and floor <= sweep.bar())):
             return True
         if sweep is not None:
             sweep.record(floor)

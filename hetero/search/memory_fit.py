@@ -4,9 +4,11 @@ the layers fit: the memory model's answers (hetero/predict/memory.py), cached fo
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 
-from hetero.predict.memory import layer_capacity, micro_batches_in_flight, stage_memory_terms
+from hetero.predict.memory import (END_STAGES, MemoryEstimate, StageMemoryTerms, layer_capacity,
+                                   micro_batches_in_flight, optimizer_state_bytes, rank_memory, rank_params)
 from hetero.search.cost_blocks import CostBlocks, Memoised
 from hetero.search.options import Degrees
 
@@ -29,39 +31,69 @@ class MemoryFit(Memoised):
         """The recomputation modes a stage may take, cheapest first."""
 
     def layer_cap(self, c: int, tp: Degrees, mbs: int, dp: int, stage: int, stages: int,
-                  recompute: str | None = None, num_micro_batches: int | None = None) -> int:
+                  recompute: str | None = None, num_micro_batches: int | None = None,
+                  virtual_stages: int | None = None) -> int:
         """Most decoder layers stage `stage` can hold on a device of class c: the memory
         model's own answer (memory.layer_capacity), for the most micro-batches a replica
-        runs (by default: could run)."""
+        runs (by default: could run), with this many model chunks per stage (by default the
+        setup's)."""
         total_mb = num_micro_batches or self.global_batch_size // mbs
-        in_flight_key = min(stages - stage, total_mb) if self.setup.virtual_stages == 1 else (stages - stage, total_mb)
+        v = virtual_stages or self.setup.virtual_stages
+        in_flight_key = min(stages - stage, total_mb) if v == 1 else (stages - stage, total_mb, v)
         key = ("cap", c, tp[c], max(tp), mbs, dp, in_flight_key, stage == 0, stage == stages - 1, stages > 1,
-               recompute)
+               recompute, virtual_stages)
         cl = self.blocks.classes[c]
         return self._memo(key, lambda: layer_capacity(
-            self.blocks.job_costs(tp), self.blocks.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
+            self.blocks.costs_for(max(tp), virtual_stages) if virtual_stages else self.blocks.job_costs(tp),
+            self.blocks.cluster.devices[cl.device_type].memory_gib, vendor=cl.vendor,
             tensor_parallel=tp[c], data_parallel=dp, micro_batch_size=mbs, stage=stage,
             num_stages=stages, num_micro_batches=total_mb, recompute=recompute))
 
-    def stage_caps(self, c: int, tp: Degrees, mbs: int, dp: int, stages: int, recompute: str) -> list[int]:
+    def stage_caps(self, c: int, tp: Degrees, mbs: int, dp: int, stages: int, recompute: str,
+                   virtual_stages: int | None = None) -> list[int]:
         """layer_cap of every stage of a pipeline this deep: the memory model's bilinear
         terms per kind of stage (memory.stage_memory_terms), evaluated at each stage's
-        micro-batches in flight. The memory model sees a class only through its vendor and
-        memory size: classes alike share the answer."""
+        micro-batches in flight (with virtual_stages model chunks per stage, by default the
+        setup's). The memory model sees a class only through its vendor and memory size:
+        classes alike share the answer."""
         vendor = self.blocks.classes[c].vendor
         memory_gib = self.blocks.cluster.devices[self.blocks.classes[c].device_type].memory_gib
 
         def compute() -> list[int]:
             total_mb = self.global_batch_size // mbs
-            v = self.setup.virtual_stages
+            v = virtual_stages or self.setup.virtual_stages
             ends = [(s == 0, s == stages - 1) for s in range(stages)]
             terms = {(first, last): self._memo(
-                ("terms", vendor, tp[c], max(tp), mbs, dp, recompute, first, last), lambda: stage_memory_terms(
-                    self.blocks.job_costs(tp), first=first, last=last, vendor=vendor, tensor_parallel=tp[c],
-                    data_parallel=dp, micro_batch_size=mbs, recompute=recompute)) for first, last in set(ends)}
+                ("terms", vendor, tp[c], max(tp), mbs, dp, recompute, first, last),
+                lambda: self._stage_terms(vendor, tp[c], max(tp), mbs, dp, recompute, first, last))
+                for first, last in set(ends)}
             return [terms[end].capacity(memory_gib, micro_batches_in_flight(s, stages, total_mb, v))
                     for s, end in enumerate(ends)]
-        return self._memo(("caps", vendor, memory_gib, tp[c], max(tp), mbs, dp, stages, recompute), compute)
+        return self._memo(("caps", vendor, memory_gib, tp[c], max(tp), mbs, dp, stages, recompute, virtual_stages),
+                          compute)
+
+    def _stage_terms(self, vendor: str, tensor_parallel: int, widest: int, mbs: int, dp: int, recompute: str,
+                     first: bool, last: bool) -> StageMemoryTerms:
+        """memory.stage_memory_terms of a stage of this kind: the memory model's rank estimates
+        without the optimizer state computed once for every data-parallel size (only the
+        state depends on it), the state for this one (memory.optimizer_state_bytes)."""
+        costs = self.blocks.costs_for(widest)
+        stage, stages = END_STAGES[first, last]
+
+        def estimates() -> dict[tuple[int, int], tuple[MemoryEstimate, tuple[float, float]]]:
+            return {(n, f): (rank_memory(costs, vendor=vendor, tensor_parallel=tensor_parallel, data_parallel=1,
+                                         micro_batch_size=mbs, num_layers=n, stage=stage, num_stages=stages,
+                                         num_micro_batches=f, recompute=recompute, in_flight=f),
+                             rank_params(costs, n, first, last, stages, tensor_parallel))
+                    for n in (0, 1) for f in (1, 2)}
+        at_one = self._memo(("rank memory", vendor, tensor_parallel, widest, mbs, recompute, first, last), estimates)
+        distributed = costs.setup.distributed_optimizer
+
+        def total(n: int, f: int) -> float:
+            memory, (dense, experts) = at_one[n, f]
+            state = optimizer_state_bytes(costs, dense, experts, tensor_parallel, dp, distributed)
+            return dataclasses.replace(memory, optimizer=state).total
+        return StageMemoryTerms.of(total)
 
     def recompute_to_fit(self, tp: Degrees, mbs: int, d: int, at_stage: StageClasses
                          ) -> tuple[list[int], tuple[str, ...]] | None:

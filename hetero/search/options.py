@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hetero.plan import Plan
-from hetero.predict.costs import TrainingSetup
+from hetero.predict.training_setup import TrainingSetup
 from hetero.predict.predictor import Prediction
 from hetero.spec.cluster import Cluster
 from hetero.spec.recompute import mode as recompute_mode, modules as recomputed_modules
@@ -48,8 +48,8 @@ class PlannerOptions:
     """None: on whenever TP > 1 (same communication volume, less memory and fewer
     element-wise passes per rank, so it never loses); True/False: forced."""
     virtual_stages: tuple[int, ...] = (1, 2)
-    """Interleaving degrees tried on the best candidates (pipelines of 2+ stages whose
-    stages' layers divide evenly)."""
+    """Interleaving degrees tried on the best candidates (pipelines of 2+ stages of at least
+    v layers each, each stage's layers in chunks as equal as they split)."""
     exact_candidates: int = 4
     """How many of the best estimates overall the exact predictor judges..."""
     exact_per_family: int = 1
@@ -64,6 +64,13 @@ class PlannerOptions:
     pipeline_parallel: tuple[int, ...] | None = None
     """Pipeline depths allowed (None: any): a launch script that fixes
     --pipeline-model-parallel-size is planned at that depth."""
+    templates: bool = True
+    """Also search plans of several replica templates (plan version 4): each device class in a
+    pipeline shape of its own (hetero/search/templates.py)."""
+    kept_templates: tuple[Plan, ...] = ()
+    """One-template plans on hosts of the cluster that a plan of several templates may keep as
+    they are, with templates planned on the hosts they leave free (a re-plan after a lost node
+    keeps the templates it was not part of, where that is predicted best)."""
     per_stage_tensor_parallel: bool = True
     """Also give each device class of a cross-class pipeline its own degree (plan version 3):
     per class the smallest of `tensor_parallel` whose stage holds a layer, and the wider
@@ -119,6 +126,8 @@ class Candidate:
     estimate_s: float
     recompute: list[str] | None = None
     """Recomputation of each stage (None: the setup's everywhere)."""
+    interleaved: tuple[int, float] | None = None
+    """(virtual stages, estimate) of its best interleaving by the estimate (None: none runs)."""
 
     @property
     def tensor_parallel(self) -> int:
@@ -139,3 +148,5 @@ class PlanResult:
     candidates_estimated: int
     setup: TrainingSetup
     """The settings the plan was predicted with (sequence parallelism, interleaving)."""
+    search_cpu_s: float = 0.0
+    """The search's CPU time (this process's), steadier than its wall time on a shared machine."""

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 from hetero.spec.cluster import Cluster
-from hetero.plan import PLAN_VERSION, DeviceEntry, Plan, ReplicaEntry, StageEntry, logical_rank_at
+from hetero.grid import TemplateShape
+from hetero.plan import PLAN_VERSION, DeviceEntry, Plan, ReplicaEntry, StageEntry
+from hetero.plan_checks import grid_of
 
 ORDERS = ("replica-major", "stage-major")
 
@@ -159,8 +161,8 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int | Seq
     a stage must then be of classes of one degree); different stage degrees make a plan
     version 3. recompute: each stage's recomputation entry (StageEntry.recompute), None for
     the job's flags everywhere; virtual_stages > 1: the interleaved schedule, every stage's
-    layers in that many equal chunks. The plan's validation rejects what megatron-core
-    cannot run (pydantic.ValidationError)."""
+    layers in that many chunks as equal as they split (the first ones a layer more). The
+    plan's validation rejects what megatron-core cannot run (pydantic.ValidationError)."""
     degrees = [tensor_parallel] * len(classes) if isinstance(tensor_parallel, int) else list(tensor_parallel)
     dp, pp = len(replica_classes), len(layers)
     stage_tp = []
@@ -186,10 +188,11 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int | Seq
         for local in sorted(used[node.host]):
             launch_index[(node.host, local)] = len(devices)
             devices.append(entry.model_copy())
-    rank_order = [0] * (dp * sum(stage_tp))
+    grid = grid_of((TemplateShape(tuple(stage_tp), dp),))  # the grid the plan builds: shared, built once
+    rank_order = [0] * grid.world_size
     for (d, s), (host, first) in where.items():
         for t in range(stage_tp[s]):
-            rank_order[logical_rank_at(t, d, s, stage_tp, dp)] = launch_index[(host, first + t)]
+            rank_order[grid.rank_at(t, d, s)] = launch_index[(host, first + t)]
 
     def types(members: Iterable[int]) -> list[str]:
         return sorted({classes[c].device_type for c in members})
@@ -204,10 +207,32 @@ def place(cluster: Cluster, classes: list[ClassInfo], tensor_parallel: int | Seq
         stages=[StageEntry(num_layers=n, device_types=types(r[s] for r in replica_classes),
                            tensor_parallel=stage_tp[s] if per_stage else None,
                            recompute=recompute[s] if recompute else None,
-                           virtual_stages=[n // virtual_stages] * virtual_stages if virtual_stages > 1 else None)
+                           virtual_stages=even_chunks(n, virtual_stages) if virtual_stages > 1 else None)
                 for s, n in enumerate(layers)],
         replicas=[ReplicaEntry(num_micro_batches=m, device_types=types(r))
                   for r, m in zip(replica_classes, micro_batches)],
         rank_order=rank_order,
         devices=devices,
     )
+
+
+def even_chunks(layers: int, chunks: int) -> list[int]:
+    """A stage's layers in `chunks` model chunks as equal as they split, the first ones a
+    layer more (the interleaved schedule's virtual stages; megatron-core builds any split)."""
+    return [layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)]
+
+
+def place_templates(cluster: Cluster, placed: Sequence[Plan]) -> Plan:
+    """One plan of several templates from one-template plans on disjoint devices (each from
+    place(), on its own part of the classes' nodes): the devices in the cluster's launch
+    order (a host's devices together, template by template), each template's logical ranks
+    after the previous template's (hetero/grid.py)."""
+    if len(placed) == 1:
+        return placed[0]
+    order = {node.host: i for i, node in enumerate(cluster.nodes)}
+    ranks = sorted(((order[device.host], k, r) for k, plan in enumerate(placed) for r, device in enumerate(plan.devices)))
+    launch = {(k, r): index for index, (_, k, r) in enumerate(ranks)}
+    devices = [placed[k].devices[r] for _, k, r in ranks]
+    rank_order = [launch[k, r] for k, plan in enumerate(placed) for r in plan.rank_order]
+    return Plan.of_templates([plan.templates[0] for plan in placed], micro_batch_size=placed[0].micro_batch_size,
+                             rank_order=rank_order, devices=devices)

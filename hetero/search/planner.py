@@ -7,7 +7,11 @@ min-max layer split, micro-batches by replica speed). The best of each family an
 (shortlist.py) are placed on concrete devices (placement.py; for the first two families in
 two orders: a replica's stages side by side, or a stage's replicas side by side), with each
 interleaving megatron-core can run, and judged by the exact predictor
-(hetero/predict/predictor.py). Deterministic for the same input.
+(hetero/predict/predictor.py). The shapes best by their interleaved estimate are judged
+interleaved too, and the shortlisted cross-class pipelines of one degree in their other
+class orders estimated nearly as fast (where each class sits moves an interleaved
+pipeline's bubbles and transfers more than the closed forms see). Then plans of several
+replica templates (templates.py). Deterministic for the same input.
 
     candidates -> shortlist -> materialize -> exact predict
 """
@@ -22,17 +26,33 @@ from pydantic import ValidationError
 
 from hetero.errors import HeteroError
 from hetero.plan import Plan
-from hetero.predict.costs import CostModel, TrainingSetup
+from hetero.predict.costs import CostModel
+from hetero.predict.training_setup import TrainingSetup
 from hetero.predict.predictor import Prediction, predict
 from hetero.search.estimate import FastEstimate
+from hetero.search.plan_estimate import estimate_plan
 from hetero.search.expert_parallel import expert_parallel_choices, with_expert_parallel
 from hetero.search.families import LayoutFamilies
 from hetero.search.options import Candidate, PlannerOptions, PlanResult, plan_recompute
 from hetero.search.placement import ORDERS, place
-from hetero.search.shortlist import Leaderboard, shortlist
+from hetero.search.shortlist import Leaderboard, interleaved_shortlist, shortlist
+from hetero.search.templates import TemplateSearch
 from hetero.spec.cluster import Cluster
 from hetero.spec.model import ModelSpec
 from hetero.spec.profiles import Profiles
+
+
+ORDER_MARGIN = 1.03
+"""Other class orders of a shortlisted cross-class pipeline estimated up to this much slower
+are predicted interleaved (Planner._other_class_orders)."""
+ORDERS_TRIED = 8
+"""...at most this many per shortlisted pipeline."""
+TEMPLATE_MARGIN = 1.05
+"""Mixes of templates estimated up to this much slower than the best plan so far are still
+predicted (the estimate is a closed form of what the predictor simulates)."""
+TEMPLATE_GAIN = 0.01
+"""A plan of several templates replaces the best plan of one only when predicted this much
+faster: it runs more process groups, and its gradient reduction spans every template."""
 
 
 class Planner:
@@ -49,6 +69,7 @@ class Planner:
         self.expert_parallel_degrees = expert_parallel_choices(model, self.classes, options)
         # The expert-parallel degree this search's plans run with (one per search).
         self.expert_parallel = self.expert_parallel_degrees[0] if len(self.expert_parallel_degrees) == 1 else 1
+        self.templates_estimated = 0
 
     def costs_for(self, tensor_parallel: int, virtual_stages: int = 1) -> CostModel:
         """The cost model of the setup a plan of this TP degree runs with."""
@@ -56,13 +77,13 @@ class Planner:
 
     @property
     def estimated(self) -> int:
-        """Shapes the search has estimated so far."""
-        return self.families.estimated
+        """Shapes (and mixes of templates) the search has estimated so far."""
+        return self.families.estimated + self.templates_estimated
 
     def estimate(self, plan: Plan) -> tuple[bool, float]:
         """The fast estimate of a given plan: (fits in memory, seconds per iteration)
-        (FastEstimate.of_plan)."""
-        return self.estimator.of_plan(plan)
+        (plan_estimate.estimate_plan)."""
+        return estimate_plan(self.estimator, plan)
 
     # ----- search -------------------------------------------------------------------------
 
@@ -117,14 +138,18 @@ class Planner:
             raise HeteroError("global batch size must be at least 1")
         if len(self.expert_parallel_degrees) > 1:
             return self._plan_each_expert_parallel(progress)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         found = self.candidates(progress, only_contenders=True)
         best: tuple[float, Plan, Prediction, str, TrainingSetup] | None = None
+        leader: tuple[Candidate, int] | None = None  # the best plan's candidate and virtual stages
         chosen = shortlist(found, self.options.exact_candidates, self.options.exact_per_family)
-        trials = [(c, c.order) for c in chosen]
-        trials += [(c, o) for c in chosen[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
-        for candidate, order in trials:
-            for v, plan in self._interleavings(candidate, order):
+        interleaved = interleaved_shortlist(found, self.options.exact_candidates, chosen)
+        trials = [(c, c.order, False) for c in chosen]
+        trials += [(c, o, False) for c in chosen[:1] if c.family != "launch-order" for o in ORDERS if o != c.order]
+        trials += [(c, c.order, True) for c in interleaved]
+        trials += [(c, c.order, True) for c in self._other_class_orders(chosen + interleaved)]
+        for candidate, order, interleaved_only in trials:
+            for v, plan in self._interleavings(candidate, order, plain=not interleaved_only):
                 plan = with_expert_parallel(plan, self.expert_parallel,
                                             self.options.expert_tensor_parallel if self.model.is_moe else None)
                 if plan is None:  # its stages' ranks do not split into expert groups
@@ -133,13 +158,72 @@ class Planner:
                 prediction = predict(plan, self.cluster, costs)
                 if prediction.fits and (best is None or prediction.iteration_time_s < best[0]):
                     best = (prediction.iteration_time_s, plan, prediction, candidate.family, costs.setup)
+                    leader = (candidate, v)
+        if self._searches_templates():
+            if progress:
+                progress("replica templates")
+            # the best plan's layout (with its interleaving) and the best estimate's
+            bases = list({id(c): (c, v) for c, v in [(c, 1) for c in chosen[:1]] + ([leader] if leader else [])}.values())
+            best = self._best_templates(bases, best) or best
         if best is None:
             raise HeteroError(self._why_nothing_fits())
-        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated, best[4])
+        return PlanResult(best[1], best[2], best[3], time.perf_counter() - start, self.estimated, best[4],
+                          time.process_time() - cpu_start)
+
+    def _other_class_orders(self, chosen: list[Candidate]) -> list[Candidate]:
+        """The shortlisted cross-class pipelines of one degree in their other class orders
+        (LayoutFamilies.class_orders_of), those estimated (plain or interleaved) within
+        ORDER_MARGIN of the shortlisted one, at most ORDERS_TRIED each: under the interleaved
+        schedule the order moves the bubbles and transfers by more than the closed forms
+        separate them."""
+        if max(self.options.virtual_stages) == 1:
+            return []
+
+        def key(c: Candidate) -> tuple:
+            return c.replica_classes[0], c.order, c.degrees, c.micro_batch_size, len(c.replica_classes)
+
+        seen = {key(c) for c in chosen}
+        found = []
+        for candidate in chosen:
+            if (candidate.family != "cross-class" or len(candidate.layers) < 2 or len(set(candidate.stage_degrees())) > 1):
+                continue
+            others = sorted(self.families.class_orders_of(candidate), key=_best_estimate)
+            bar = _best_estimate(candidate) * ORDER_MARGIN
+            for other in [c for c in others if _best_estimate(c) <= bar][:ORDERS_TRIED]:
+                if key(other) not in seen:
+                    seen.add(key(other))
+                    found.append(other)
+        return found
+
+    def _searches_templates(self) -> bool:
+        """Plans of several templates are searched where the runtime trains them: two device
+        classes or more, no experts, no multi-token prediction, no fixed interleaving."""
+        return (self.options.templates and (len(self.classes) > 1 or bool(self.options.kept_templates))
+                and not self.model.is_moe and not self.model.mtp_num_layers and 1 in self.options.virtual_stages)
+
+    def _best_templates(self, bases: list[tuple[Candidate, int]], best: tuple | None) -> tuple | None:
+        """The best plan of several templates (templates.py), if predicted TEMPLATE_GAIN faster
+        than `best` (the best plan of one template); bases: layouts of the main search with
+        their virtual stages."""
+        best_s = best[0] * (1 - TEMPLATE_GAIN) if best else float("inf")
+        search = TemplateSearch(self.estimator, self.estimator.blocks.costs)
+        sizes = sorted({c.micro_batch_size for c, _ in bases}) or [
+            mbs for mbs in self.options.micro_batch_sizes if self.global_batch_size % mbs == 0]
+        kept = [search.option(None, self.classes, plan=plan) for plan in self.options.kept_templates]
+        found = search.mixes(bases, sizes, best_s * TEMPLATE_MARGIN, kept)
+        self.templates_estimated += search.estimated
+        chosen = None
+        for _, templates, counts in found:
+            plan = search.materialize(templates, counts)
+            costs = self.costs_for(plan.max_tensor_parallel)
+            prediction = predict(plan, self.cluster, costs)
+            if prediction.fits and prediction.iteration_time_s < (chosen[0] if chosen else best_s):
+                chosen = (prediction.iteration_time_s, plan, prediction, "templates", costs.setup)
+        return chosen
 
     def _plan_each_expert_parallel(self, progress: Callable[[str], None] | None) -> PlanResult:
         """The best plan over the expert-parallel degrees, one search each."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         results, estimated = [], 0
         for ep in self.expert_parallel_degrees:
             if progress:
@@ -154,7 +238,8 @@ class Planner:
         if not results:
             raise HeteroError(self._why_nothing_fits())
         best = min(results, key=lambda r: r.prediction.iteration_time_s)
-        return dataclasses.replace(best, search_time_s=time.perf_counter() - start, candidates_estimated=estimated)
+        return dataclasses.replace(best, search_time_s=time.perf_counter() - start, candidates_estimated=estimated,
+                                   search_cpu_s=time.process_time() - cpu_start)
 
     # ----- from a candidate to a plan -----------------------------------------------------
 
@@ -169,16 +254,19 @@ class Planner:
                      candidate.layers, candidate.replica_classes, candidate.micro_batches, order,
                      recompute=recompute, virtual_stages=virtual_stages)
 
-    def _interleavings(self, candidate: Candidate, order: str) -> list[tuple[int, Plan]]:
+    def _interleavings(self, candidate: Candidate, order: str, plain: bool = True) -> list[tuple[int, Plan]]:
         """The candidate's plan with each virtual-stage count megatron-core can run it with:
-        every stage's layers split into v equal chunks, kept only when the plan's validation
-        accepts it (its micro-batch counts against the pipeline)."""
+        every stage's layers split into v chunks as equal as they split (placement.even_chunks:
+        a stage of 9 layers in chunks of 5 and 4), kept only when the plan's validation
+        accepts it (its micro-batch counts against the pipeline); without plain, only the
+        interleaved ones."""
         found = []
         for v in self.options.virtual_stages:
             if v == 1:
-                found.append((1, self.materialize(candidate, order)))
+                if plain:
+                    found.append((1, self.materialize(candidate, order)))
                 continue
-            if len(candidate.layers) < 2 or any(n % v for n in candidate.layers):
+            if len(candidate.layers) < 2 or min(candidate.layers) < v:
                 continue
             try:
                 found.append((v, self.materialize(candidate, order, v)))
@@ -195,3 +283,8 @@ class Planner:
             f"{self.options.tensor_parallel} x PP x DP split; add devices, lower the micro-batch "
             "size or sequence length, or use the distributed optimizer"
         )
+
+
+def _best_estimate(candidate: Candidate) -> float:
+    """A candidate's estimate, plain or interleaved, whichever is faster."""
+    return min(candidate.estimate_s, candidate.interleaved[1]) if candidate.interleaved else candidate.estimate_s

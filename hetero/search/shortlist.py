@@ -1,6 +1,7 @@
 """Which estimated shapes the exact predictor judges: the best distinct shapes overall plus
-each family's best (estimates are rough; the predictor is the judge), and, while the search
-runs, what a shape has to beat to get there (Leaderboard)."""
+each family's best (estimates are rough; the predictor is the judge), the best by their
+interleaved estimates, and, while the search runs, what a shape has to beat to get there
+(Leaderboard)."""
 
 from __future__ import annotations
 
@@ -68,16 +69,34 @@ class BestDistinct:
 
 class Leaderboard:
     """What a candidate has to beat to reach the shortlist: the best distinct shapes
-    overall, or its family's."""
+    overall, or its family's; or, interleaved, the best distinct shapes by their
+    interleaved estimates (interleaved_shortlist)."""
 
     def __init__(self, overall: int, per_family: int):
         self.overall = BestDistinct(overall)
         self.families = {family: BestDistinct(per_family) for family in FAMILIES}
+        self.interleaved = BestDistinct(overall)
 
     def add(self, candidate: Candidate) -> None:
         key = shape_key(candidate)
         self.overall.add(key, candidate.estimate_s)
         self.families[candidate.family].add(key, candidate.estimate_s)
+        if candidate.interleaved is not None:
+            self.interleaved.add(key, candidate.interleaved[1])
 
     def bar(self, family: str) -> float:
         return max(self.overall.bar(), self.families[family].bar())
+
+    def interleaved_bar(self) -> float:
+        """An interleaved estimate above this cannot reach the interleaved shortlist, nor beat
+        the shortlist's own estimates (which are judged interleaved too)."""
+        return min(self.interleaved.bar(), self.overall.bar())
+
+
+def interleaved_shortlist(found: Sequence[Candidate], overall: int, chosen: Sequence[Candidate]) -> list[Candidate]:
+    """The `overall` best distinct shapes by their interleaved estimates, those not already
+    `chosen`: the 1F1B estimate ranks shapes whose bubbles interleaving halves too low."""
+    found = sorted((c for c in found if c.interleaved is not None),
+                   key=lambda c: (c.interleaved[1], c.family, c.degrees, c.micro_batch_size))
+    taken = {id(c) for c in chosen}
+    return [c for c in distinct_shapes(found)[:overall] if id(c) not in taken]

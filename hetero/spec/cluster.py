@@ -284,6 +284,32 @@ class Cluster:
                                             "inter_group": inter})
         return Cluster(spec, self.source)
 
+    def keep_nodes(self, counts: dict[str, int], name: str | None = None) -> "Cluster":
+        """The first counts[t] nodes (in launch order) of each device type t named, with
+        their fabrics: a device type used in part. Hosts keep their names."""
+        left = dict(counts)
+        groups = []
+        for group in self.spec.groups:
+            nodes = []
+            for n in group.nodes:
+                if left.get(n.device, 0) <= 0:
+                    continue
+                taken = 1 if n.host else min(n.num_nodes, left[n.device])
+                left[n.device] -= taken
+                nodes.append(n if n.host or taken == n.num_nodes else n.model_copy(update={"num_nodes": taken}))
+            if nodes:
+                groups.append(group.model_copy(update={"nodes": nodes}))
+        names = {g.name for g in groups}
+        inter = [link for link in self.spec.inter_group if set(link.between) <= names]
+        label = "+".join(f"{t}x{n}" for t, n in counts.items())
+        spec = self.spec.model_copy(update={"name": name or f"{self.name}[{label}]", "groups": groups,
+                                            "inter_group": inter})
+        return Cluster(spec, self.source)
+
+    def nodes_of(self, device_type: str) -> int:
+        """How many nodes hold this device type."""
+        return sum(1 for n in self.nodes if n.device.name == device_type)
+
     def scaled(self, factor: int) -> "Cluster":
         """Every node repeated `factor` times (hosts renamed), same fabrics."""
         groups = []

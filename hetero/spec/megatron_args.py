@@ -29,7 +29,8 @@ from hetero.spec.recompute import selective as selective_recompute
 FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.json")
 
 # Flags pretrain_gpt.py of Megatron-Hetero adds to Megatron-LM's: option -> number of values.
-HETERO_FLAGS = {"--hetero-plan": 1, "--hetero-adapt": 0, "--hetero-adapt-output": 1, "--local_rank": 1}
+HETERO_FLAGS = {"--hetero-plan": 1, "--hetero-adapt": 0, "--hetero-adapt-output": 1, "--hetero-snapshot-replicas": 1,
+                "--local_rank": 1}
 
 _VALUE_TYPES = {"int": int, "float": float}
 _NO_VALUE = ("store_true", "store_false", "store_const", "count", "BooleanOptionalAction")
@@ -273,11 +274,37 @@ def _huggingface_vocab_size(name: str | None) -> int:
         raise HeteroError(f"--tokenizer-model {name}: could not load it ({err})") from None
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_sizes: Iterable[int]) -> int:
-    """Megatron-LM's padding: up to a multiple of divisible_by x TP; with a degree per
-    stage, x their least common multiple (the runtime's rule, so every stage shards it)."""
-    multiple = divisible_by * math.lcm(*tensor_parallel_sizes)
-    return -(-vocab_size // multiple) * multiple
+_USUAL_DIVISORS = (128, 64, 256, 32, 512, 16, 8, 1024, 4, 2, 1)
+"""Megatron-LM's usual --make-vocab-size-divisible-by values, tried in this order."""
+
+
+@dataclass(frozen=True)
+class VocabularyPadding:
+    """How the run pads its tokenizer's vocabulary: Megatron-LM's rule, up to a multiple of
+    divisible_by (--make-vocab-size-divisible-by) x TP; with a degree per stage (or template),
+    x their least common multiple (the runtime's rule, so every stage shards it)."""
+
+    tokenizer_vocab_size: int
+    divisible_by: int
+
+    def padded(self, degrees: Iterable[int], divisible_by: int | None = None) -> int:
+        multiple = (divisible_by or self.divisible_by) * math.lcm(*degrees)
+        return -(-self.tokenizer_vocab_size // multiple) * multiple
+
+    def divisor_giving(self, padded: int, degrees: Iterable[int]) -> int | None:
+        """The --make-vocab-size-divisible-by that pads to ``padded`` at these degrees (this
+        job's own first, then Megatron-LM's usual ones), or None."""
+        degrees = tuple(degrees)
+        for divisor in (self.divisible_by, *_USUAL_DIVISORS):
+            if self.padded(degrees, divisor) == padded:
+                return divisor
+        return None
+
+    def is_padding(self, vocab_size: int, max_tensor_parallel: int = 256) -> bool:
+        """Whether vocab_size is this tokenizer's vocabulary padded for some degree (as a
+        profile taken from the same flags at other degrees records it)."""
+        return any(self.padded((t,)) == vocab_size for t in range(1, max_tensor_parallel + 1))
+
 
 
 # ----- the job ---------------------------------------------------------------------------
@@ -290,7 +317,7 @@ class FlagsJob:
 
     flags: MegatronFlags
     model: ModelSpec
-    """vocab_size: the tokenizer's, unpadded (``model_for`` pads it for a layout)."""
+    """vocab_size: the tokenizer's, unpadded (``vocabulary`` pads it for a layout)."""
     tokenizer_vocab: int
     global_batch_size: int | None
     micro_batch_size: int | None
@@ -313,18 +340,13 @@ class FlagsJob:
     overlap_param_gather: bool
     grad_reduce_dtype: str | None
 
-    def padded_vocab(self, tensor_parallel_sizes: Iterable[int]) -> int:
-        return padded_vocab_size(self.tokenizer_vocab, self.flags["make_vocab_size_divisible_by"],
-                                 tensor_parallel_sizes)
-
-    def is_padding(self, vocab_size: int, max_tensor_parallel: int = 256) -> bool:
-        """Whether vocab_size is this tokenizer's vocabulary padded for some degree (as a
-        profile taken from the same flags at other degrees records it)."""
-        return any(self.padded_vocab((t,)) == vocab_size for t in range(1, max_tensor_parallel + 1))
+    @property
+    def vocabulary(self) -> VocabularyPadding:
+        return VocabularyPadding(self.tokenizer_vocab, self.flags["make_vocab_size_divisible_by"])
 
     def model_for(self, tensor_parallel_sizes: Iterable[int]) -> ModelSpec:
         """The model as the run builds it at these tensor-parallel degrees (its padding)."""
-        return ModelSpec(**{**self.model.to_dict(), "vocab_size": self.padded_vocab(tensor_parallel_sizes)})
+        return dataclasses.replace(self.model, vocab_size=self.vocabulary.padded(tuple(tensor_parallel_sizes)))
 
 
 def job_of_flags(argv: Sequence[str], tokenizer_vocab: int | None = None) -> FlagsJob:

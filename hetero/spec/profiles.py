@@ -13,7 +13,7 @@ compute - one device type, one model shape, timings per (tensor parallel, micro-
                   "logits_forward_s": 0.004, "logits_backward_s": 0.008,    # optional
                   "batch_s": 0.0002,                                        # optional
                   "embedding_forward_s": 0.0003, "embedding_backward_s": 0.0006}],  # optional
-     "optimizer_step_s_per_param": 2.1e-11}                                  # optional
+     "optimizer_step_s_per_param": 2.1e-11, "optimizer_step_fixed_s": 0.004}  # optional
 
 links - measured point-to-point routes between hosts (a host with itself: inside a node):
 
@@ -84,7 +84,12 @@ class ComputeProfile(_Strict):
     model: dict
     entries: list[ComputeEntry] = Field(min_length=1)
     optimizer_step_s_per_param: float | None = Field(default=None, gt=0)
-    """Adam step (with gradient-norm clipping) per parameter held."""
+    """megatron-core's optimizer step (gradients to main, norm, clipping, Adam, weights back)
+    per parameter held."""
+    optimizer_step_fixed_s: float | None = Field(default=None, ge=0)
+    """What a rank pays per iteration beyond that: the step's own work and the small all-
+    reduces around it (the token count, the loss, the gradient norm), measured with every
+    profiled rank stepping at once."""
     measured_on: str | None = None
 
 
@@ -110,10 +115,12 @@ def median_profile(passes: list[ComputeProfile]) -> ComputeProfile:
         for entry in profile.entries:
             cases.setdefault((entry.tensor_parallel, entry.micro_batch_size), []).append(entry.model_dump())
     steps = [p.optimizer_step_s_per_param for p in passes if p.optimizer_step_s_per_param is not None]
+    fixed = [p.optimizer_step_fixed_s for p in passes if p.optimizer_step_fixed_s is not None]
     return ComputeProfile.model_validate({
         **passes[0].model_dump(),
         "entries": [median_entry(entries) for entries in cases.values()],
         "optimizer_step_s_per_param": statistics.median(steps) if steps else None,
+        "optimizer_step_fixed_s": statistics.median(fixed) if fixed else None,
         "measured_on": "median of " + "; ".join(str(p.measured_on) for p in passes)})
 
 
@@ -222,6 +229,8 @@ class Profiles:
                     sizes[entry.bytes] = entry.seconds
         if len(sizes) < 2:
             return None
-        (small, t_small), (large, t_large) = min(sizes.items()), max(sizes.items())
-        per_byte = max(0.0, (t_large - t_small) / (large - small))
-        return per_byte, max(0.0, t_small - per_byte * small)
+        # least squares through every measured size (one noisy size moves it less)
+        mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(sizes.values())
+        spread = sum((x - mean_x) ** 2 for x in sizes)
+        per_byte = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in sizes.items()) / spread)
+        return per_byte, max(0.0, mean_y - per_byte * mean_x)

@@ -93,13 +93,13 @@ class Adapter:
         """Each replica's time to its gradient reduction: its slowest rank's (median)."""
         busy = self._median("busy")
         plan = self.plan
-        return [max(busy[r] for r in plan.replica_ranks(d)) for d in range(plan.data_parallel)]
+        return [max(busy[r] for r in plan.grid.replica_ranks(d)) for d in range(plan.data_parallel)]
 
     def stage_seconds(self) -> list[float]:
         """Each stage's forward+backward time per micro-batch on its slowest replica (median)."""
         compute, plan = self._median("compute"), self.plan
         return [max(compute[r] / plan.replicas[d].num_micro_batches
-                    for d in range(plan.data_parallel) for r in plan.tensor_group(d, p))
+                    for d in range(plan.data_parallel) for r in plan.grid.tensor_group(d, p))
                 for p in range(plan.pipeline_parallel)]
 
     def maybe_resplit(self, iteration: int) -> Plan | None:

@@ -377,10 +377,23 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                       "--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
                       "--ckpt-assume-constant-structure", "--ckpt-convert-save", "--non-persistent-save-interval",
                       "--non-persistent-global-ckpt-dir"))
-    g.add_argument("--non-persistent-ckpt-type", default=None, choices=["global"],
+    g.add_argument("--non-persistent-ckpt-type", default=None, choices=["global", "local", "in_memory"],
                    help="global: checkpoints every --non-persistent-save-interval iterations in "
                         "--non-persistent-global-ckpt-dir (default SAVE/non_persistent), only the newest "
-                        "kept; --load resumes from it when it is the newer")
+                        "kept; --load resumes from it when it is the newer. local, in_memory: snapshots "
+                        "in host memory, copied to ranks on other nodes (--inprocess-restart restores "
+                        "from them)")
+    g = parser.add_argument_group("in-process restart")
+    flags.declare(g, ("--inprocess-restart", "--inprocess-barrier-timeout", "--inprocess-heartbeat-timeout",
+                      "--inprocess-max-iterations", "--inprocess-monitor-thread-interval",
+                      "--inprocess-monitor-process-interval", "--inprocess-progress-watchdog-interval",
+                      "--inprocess-heartbeat-interval", "--inprocess-soft-timeout", "--inprocess-hard-timeout",
+                      "--inprocess-completion-timeout", "--inprocess-last-call-wait",
+                      "--inprocess-termination-grace-time", "--inprocess-granularity",
+                      "--inprocess-active-world-size", "--inprocess-empty-cuda-cache"))
+    g.add_argument("--hetero-snapshot-replicas", type=int, default=1, metavar="R",
+                   help="in-memory snapshots (--inprocess-restart): copies of each rank's snapshot kept "
+                        "on the next R nodes")
     g.add_argument("--ckpt-convert-format", default=None, choices=["torch_dist"],
                    help="write the checkpoint --load holds again in this format, to "
                         "CKPT_CONVERT_SAVE/FORMAT, and exit")
@@ -640,6 +653,22 @@ def _add_performance_args(parser: argparse.ArgumentParser) -> None:
                    help="splits each sequence over this many ranks (the plan's context_parallel)")
 
 
+def _wrapper_tuning_problems(args: argparse.Namespace) -> list[str]:
+    """The --inprocess-* flags that tune nvidia-resiliency-ext's wrapper, given at another
+    value than Megatron-LM's default (there is no such wrapper here: they would do nothing)."""
+    from megatron.hetero.flags import catalog
+
+    by_name = {flag.name: flag for flag in flags.megatron_flags()}
+    found = []
+    for name, theme in catalog.DEFAULT_ONLY.items():
+        flag = by_name[name]
+        if theme != "inprocess_wrapper" or getattr(args, flag.dest) == flag.default:
+            continue
+        reason = catalog.REASONS.get(name) or catalog.THEMES[theme].reason()
+        found.append(f"{name} {getattr(args, flag.dest)}: {reason}")
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -683,25 +712,32 @@ def _require(args: argparse.Namespace, *names: str) -> None:
         raise HeteroError(f"missing required flag(s): {', '.join(missing)}")
 
 
-def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
+def apply_plan(args: argparse.Namespace, plan: Plan, template: int = 0) -> None:
     """Takes the parallel layout from the plan, checking the flags that restate it. Every
     flag that contradicts the plan is named (one error for all), raised after the plan's
-    values are in place, so the checks that follow still run on the plan's layout."""
+    values are in place, so the checks that follow still run on the plan's layout. Under a
+    plan of several templates the pipeline's degrees are those of ``template`` (this rank's),
+    and a flag restating the degrees of any template agrees with the plan."""
     contradictions = []
-    for flag, planned in (("--tensor-model-parallel-size", plan.tensor_parallel),
-                          ("--pipeline-model-parallel-size", plan.pipeline_parallel),
-                          ("--micro-batch-size", plan.micro_batch_size),
-                          ("--global-batch-size", plan.global_batch_size),
-                          ("--num-layers", plan.num_layers)):
+    shapes = plan.templates
+    mine = shapes[template]
+    for flag, planned, allowed in (
+            ("--tensor-model-parallel-size", mine.tensor_parallel, {t.tensor_parallel for t in shapes}),
+            ("--pipeline-model-parallel-size", mine.pipeline_parallel, {t.pipeline_parallel for t in shapes}),
+            ("--micro-batch-size", plan.micro_batch_size, {plan.micro_batch_size}),
+            ("--global-batch-size", plan.global_batch_size, {plan.global_batch_size}),
+            ("--num-layers", plan.num_layers, {plan.num_layers})):
         dest = flag[2:].replace("-", "_")
         given = getattr(args, dest)
-        if given is not None and given != planned:  # absent: the plan's value
-            contradictions.append(f"{flag} {given} contradicts the plan ({planned})")
+        if given is not None and given not in allowed:  # absent: the plan's value
+            shown = planned if len(allowed) == 1 else " or ".join(map(str, sorted(allowed)))
+            contradictions.append(f"{flag} {given} contradicts the plan ({shown})")
         setattr(args, dest, planned)
+    args.hetero_template = template
     args.data_parallel_size = plan.data_parallel
     for flag, planned, default in (("--expert-model-parallel-size", plan.expert_parallel, 1),
                                    ("--expert-tensor-parallel-size", plan.expert_tensor_parallel,
-                                    plan.tensor_parallel)):
+                                    mine.tensor_parallel)):
         dest = flag[2:].replace("-", "_")
         given = getattr(args, dest)
         # absent: the plan's value; without experts (no --num-experts) the flag shapes nothing
@@ -712,8 +748,10 @@ def apply_plan(args: argparse.Namespace, plan: Plan) -> None:
         contradictions.append(f"--context-parallel-size {args.context_parallel_size} contradicts the plan "
                               f"({plan.context_parallel})")
     args.context_parallel_size = plan.context_parallel
-    # --tensor-model-parallel-size is the job's degree; a version 3 plan may give stages their own.
-    args.stage_tensor_parallel_sizes = plan.stage_tensor_parallel
+    # --tensor-model-parallel-size is the job's degree; a version 3 plan may give stages their
+    # own, a version 4 plan each template its own: every degree of the job (the vocabulary is
+    # padded for all of them, every one must divide the heads).
+    args.stage_tensor_parallel_sizes = [tp for t in shapes for tp in t.stage_tensor_parallel]
     problems = Problems()  # one problem per flag, each with its fix
     for contradiction in contradictions:
         problems.add(f"{contradiction}; drop the flag or regenerate the plan for this setting")
@@ -758,7 +796,8 @@ def check_moe_sequence_parallel(args: argparse.Namespace, plan: Plan) -> None:
     parallelism (a ValueError in its first forward): said here, on every rank alike, before
     any process group exists."""
     if args.num_experts is not None and plan.max_tensor_parallel > 1 and not args.sequence_parallel:
-        stages = f" (stage degrees {plan.stage_tensor_parallel})" if plan.per_stage_tensor_parallel else ""
+        degrees = args.stage_tensor_parallel_sizes or [plan.max_tensor_parallel]
+        stages = f" (stage degrees {degrees})" if len(set(degrees)) > 1 else ""
         raise HeteroError(f"--num-experts with tensor parallelism {plan.max_tensor_parallel}{stages} needs "
                           "--sequence-parallel: megatron-core's MoE layer does not train without it; add "
                           "--sequence-parallel")
@@ -857,10 +896,23 @@ def validate_args(args: argparse.Namespace) -> None:
         problems.add(f"--save-retain-interval {args.save_retain_interval} keeps the checkpoints of its "
                      "multiples and deletes the others as newer ones are written: it must be a positive "
                      "multiple of --save-interval, and not with --async-save")
+    in_memory = args.non_persistent_ckpt_type in ("local", "in_memory")
     if args.non_persistent_save_interval is not None and (
-            args.non_persistent_ckpt_type is None or args.non_persistent_save_interval < 1):
+            (args.non_persistent_ckpt_type is None and not args.inprocess_restart)
+            or args.non_persistent_save_interval < 1):
         problems.add("--non-persistent-save-interval N saves every N iterations a checkpoint of the kind "
-                     "--non-persistent-ckpt-type gives: add --non-persistent-ckpt-type global (N at least 1)")
+                     "--non-persistent-ckpt-type gives: add --non-persistent-ckpt-type global (N at least 1), "
+                     "or --inprocess-restart for snapshots in memory")
+    if in_memory and not args.inprocess_restart:
+        problems.add(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} keeps snapshots in memory, which "
+                     "only an in-process restart reads: add --inprocess-restart, or use global")
+    if args.inprocess_restart and args.non_persistent_ckpt_type == "global":
+        problems.add("--inprocess-restart restores from snapshots in memory: --non-persistent-ckpt-type global "
+                     "would also write them to disk; use in_memory (or leave it out)")
+    for problem in _wrapper_tuning_problems(args):
+        problems.add(problem)
+    if args.hetero_snapshot_replicas < 0:
+        problems.add("--hetero-snapshot-replicas R keeps R copies of each snapshot on other nodes: give 0 or more")
     if args.ckpt_convert_format is not None and (args.load is None or args.ckpt_convert_save is None):
         problems.add("--ckpt-convert-format converts the checkpoint of --load DIR into --ckpt-convert-save DIR; "
                      "give both")

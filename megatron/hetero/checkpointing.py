@@ -78,7 +78,8 @@ from megatron.hetero.checkpoint_manifest import (
     verify_manifest,
     write_manifest,
 )
-from megatron.hetero import checkpoint_legacy, stage_tensor_parallel
+from megatron.hetero import checkpoint_legacy, stage_tensor_parallel, template_reduction
+from megatron.hetero.identity import this_rank
 from megatron.hetero.arguments import vocab_divisor_giving
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.moe import fit_optimizer_state
@@ -198,10 +199,31 @@ def _layout() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return sizes, ranks
 
 
-def _stage_degrees() -> list[int] | None:
-    """Each stage's tensor-parallel degree under a per-stage grid, else None."""
+def _layout_text(sizes: tuple[int, int, int]) -> str:
+    """Megatron-LM's "[ t T, p P, d D ]"; under several templates one bracket per template."""
+    shapes = _stage_degrees() if template_reduction.active() else None
+    if shapes is None:
+        return f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ]"
+    return " ".join(f"[ t {'/'.join(map(str, degrees))}, p {len(degrees)}, d {dp} ]" for degrees, dp in shapes)
+
+
+def _stage_degrees() -> list | None:
+    """Each stage's tensor-parallel degree under a per-stage grid; under several replica
+    templates, each template's list of them with its replica count ([[degrees...], dp] per
+    template); else None."""
     grid = stage_tensor_parallel.active_plan()
-    return grid.stage_tensor_parallel if grid else None
+    if grid is None:
+        return None
+    if grid.num_templates > 1:
+        return [[list(t.stage_tensor_parallel), t.data_parallel] for t in grid.templates]
+    return grid.stage_tensor_parallel
+
+
+def _saves_model_state() -> bool:
+    """Whether this rank writes model and optimizer state: under several replica templates
+    only template 0's ranks do (every template holds every parameter, and the templates' copies
+    are equal), so each tensor is written once."""
+    return not template_reduction.active() or this_rank().template == 0
 
 
 def model_shape(args: argparse.Namespace) -> dict:
@@ -224,7 +246,7 @@ def model_keys(num_chunks: int) -> list[str]:
 
 
 def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool, rng: bool | str,
-           extra: dict | None = None, metadata: dict = CONTENT_METADATA) -> dict:
+           extra: dict | None = None, metadata: dict = CONTENT_METADATA, every_template: bool = False) -> dict:
     """The sharded state dict, laid out as Megatron-LM's generate_state_dict lays it out;
     metadata is the content metadata the checkpoint was (or is being) written with. rng is
     False, True (Megatron-LM's form) or "per-rank-dict" (the form of earlier releases)."""
@@ -232,10 +254,11 @@ def _state(model, optimizer, scheduler, *, loading: bool, optimizer_state: bool,
     model_metadata = {k: metadata[k] for k in _MODEL_METADATA_KEYS if k in metadata}
     # The bare GPTModel: names must not depend on the DDP / mixed-precision wrappers.
     # Virtual stages name their layers by global layer number, so any split reads them.
+    saving_here = loading or every_template or _saves_model_state()
     models = {key: unwrap_model(chunk).sharded_state_dict(metadata=model_metadata)
-              for key, chunk in zip(model_keys(len(chunks)), chunks)}
+              for key, chunk in zip(model_keys(len(chunks)), chunks)} if saving_here else {}
     state = {**models, "opt_param_scheduler": scheduler.state_dict(), **(extra or {})}
-    if optimizer_state:
+    if optimizer_state and saving_here:
         optimizer_metadata = {k: metadata[k] for k in _OPTIMIZER_METADATA_KEYS if k in metadata}
         state["optimizer"] = optimizer.sharded_state_dict(models, is_loading=loading, metadata=optimizer_metadata)
     if rng == "per-rank-dict":
@@ -442,7 +465,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         # Not always raised on every rank (the coordinator writes some files alone, while
         # the others wait in megatron-core's gather): the caller publishes it to the job.
         raise HeteroError(f"{what} failed on rank {dist.get_rank()}: {_describe(err, root)}") from None
-    layout = f"[ t {sizes[1]}, p {sizes[0]}, d {sizes[2]} ]"
+    layout = _layout_text(sizes)
 
     def publish() -> None:
         """After every rank's write: manifest, rename iter_N.tmp -> iter_N, then the tracker."""
@@ -481,8 +504,8 @@ def _loaded(root: str, iteration: int, common: dict, sizes, start: float,
     the event; the iteration to continue from (0 with --finetune) and the seconds taken."""
     _carried["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0.0)
     seconds = time.perf_counter() - start
-    print_rank_0(f"  successfully loaded checkpoint from {root} [ t {sizes[1]}, p {sizes[0]}, "
-                 f"d {sizes[2]} ] at iteration {iteration} ({seconds:.2f} s)")
+    print_rank_0(f"  successfully loaded checkpoint from {root} {_layout_text(sizes)} at iteration {iteration} "
+                 f"({seconds:.2f} s)")
     if dist.get_rank() == 0:
         events.emit(events.CheckpointLoaded(iteration=iteration, directory=str(root)))
     return (0 if args.finetune else common["iteration"]), seconds
@@ -628,6 +651,29 @@ def _check_optimizer_form(directory: Path, saved: dict, args: argparse.Namespace
         )
 
 
+def apply_loaded(loaded: dict, model, optimizer, scheduler, restore_optimizer: bool = True) -> None:
+    """A loaded state (a checkpoint's or a snapshot's: hetero's sharded state dict, filled)
+    into the model chunks, the optimizer and the scheduler."""
+    chunks = model_chunks_of(model)
+    for key, chunk in zip(model_keys(len(chunks)), chunks):
+        unwrap_model(chunk).load_state_dict(loaded[key])
+    if restore_optimizer:
+        saved_optimizer = loaded["optimizer"]
+        # its param groups fitted to this run's chaining (moe.py), or a clear refusal
+        saved_optimizer = fit_optimizer_state(saved_optimizer, optimizer)
+        optimizer.load_state_dict(saved_optimizer)
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:
+        optimizer.reload_model_params()
+
+
+def state_for_memory(model, optimizer, scheduler, args: argparse.Namespace, loading: bool) -> dict:
+    """The sharded state a snapshot holds (snapshots.py): the checkpoint's model, optimizer
+    (fully reshardable) and scheduler, of every template; no RNG (a restore re-plans)."""
+    return _state(model, optimizer, scheduler, loading=loading, optimizer_state=True, rng=False,
+                  metadata=_content_metadata(args), every_template=True)
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> tuple[int, float]:
     """Restores the latest checkpoint under root (this runtime's or Megatron-LM's); model is
     the list of this rank's chunks (or one chunk). Returns (iteration, seconds), or (0, 0) if
@@ -652,7 +698,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     metadata = _saved_metadata(common, saved)
     _check_same_model(directory, saved, common, args)
     sizes, _ = _layout()
-    same_layout = list(sizes) == saved.get("layout") and _stage_degrees() == saved.get("stage_tensor_parallel")
+    same_layout = _stage_degrees() == saved.get("stage_tensor_parallel") and (
+        template_reduction.active() or list(sizes) == saved.get("layout"))  # templates: every shape is in the degrees
     # None: Megatron-LM's --no-save-rng; absent: this runtime's earlier form (one per rank).
     rng_form = saved.get("rng_form", "per-rank-dict")
     restore_rng = same_layout and not args.no_load_rng and not args.finetune and rng_form is not None
@@ -698,17 +745,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
         loaded, missing, unexpected = loaded
         print_rank_0(f"  checkpoint keys missing from the checkpoint: {sorted(missing) or 'none'}; "
                      f"not used by the model: {sorted(unexpected) or 'none'}")
-    chunks = model_chunks_of(model)
-    for key, chunk in zip(model_keys(len(chunks)), chunks):
-        unwrap_model(chunk).load_state_dict(loaded[key])
-    if restore_optimizer:
-        saved_optimizer = loaded["optimizer"]
-        # its param groups fitted to this run's chaining (moe.py), or a clear refusal
-        saved_optimizer = fit_optimizer_state(saved_optimizer, optimizer)
-        optimizer.load_state_dict(saved_optimizer)
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    else:
-        optimizer.reload_model_params()
+    apply_loaded(loaded, model, optimizer, scheduler, restore_optimizer)
     if restore_rng:
         _restore_rng(loaded["rng_state"])
     elif not same_layout:

@@ -25,6 +25,7 @@ from megatron.hetero.patches import import_megatron_core
 
 import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
+from megatron.hetero.identity import this_rank
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
@@ -383,7 +384,7 @@ def micro_batch_iterator(
     if dataset is None or not needs_data():
         return None
     sampler = ReplicaBatchSampler(
-        len(dataset), plan, parallel_state.get_data_parallel_rank(), start_iteration, schedule, cyclic_seed,
+        len(dataset), plan, this_rank().replica, start_iteration, schedule, cyclic_seed,
         repeat_after)
     loader = torch.utils.data.DataLoader(
         dataset,

@@ -32,6 +32,7 @@ from hetero.spec.devices import CPU, device_type_matches
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from megatron.hetero import stage_tensor_parallel
+from megatron.hetero.identity import RankIdentity, compute_device, set_this_rank
 
 
 _MAX_REPORTED_MISMATCHES = 8
@@ -42,14 +43,6 @@ class FoundDevice:
     device_type: str
     vendor: str | None  # None: not known (an emulated device with no vendor given)
     how: str  # where the identity came from, for error messages
-
-
-@dataclass(frozen=True)
-class RankContext:
-    """This process's place in the job, available after ``initialize``."""
-
-    launch: Launch
-    logical_rank: int
 
 
 def read_launch() -> Launch:
@@ -71,8 +64,7 @@ def check_world_size(plan: Plan, launch: Launch, plan_source: str) -> None:
     if plan.world_size != launch.world_size:
         raise HeteroError(
             f"the plan {plan_source} is for {plan.world_size} processes "
-            f"(TP={plan.tensor_parallel} x PP={plan.pipeline_parallel} x "
-            f"DP={plan.data_parallel}) but this job was launched with {launch.world_size}; "
+            f"({plan.summary().split(' micro-batch=')[0]}) but this job was launched with {launch.world_size}; "
             f"launch {plan.world_size} processes (e.g. `python -m hetero.launch {plan_source}` "
             "prints the torchrun commands) or regenerate the plan for this cluster"
         )
@@ -210,6 +202,12 @@ def _rendezvous(timeout: timedelta) -> dist.Store:
     return _store
 
 
+def forget_rendezvous() -> None:
+    """Drops this process's store and device check (in-process restart joins a new world)."""
+    global _store, _devices_checked
+    _store, _devices_checked = None, False
+
+
 def job_store() -> dist.Store:
     """The rendezvous store of this job (after initialize)."""
     assert _store is not None, "initialize() first"
@@ -288,8 +286,9 @@ def initialize(
     check_devices: bool = True,
     sequence_parallel: bool = False,
     group_options: dict | None = None,
-) -> RankContext:
-    """Checks the launch against the plan, then creates every process group.
+) -> RankIdentity:
+    """Checks the launch against the plan, then creates every process group; returns (and
+    publishes, identity.py) this process's identity.
 
     check_devices=False is for the uniform plan made up for a plan-less launch, which
     has no device expectations. sequence_parallel: how activations cross stages of
@@ -325,14 +324,17 @@ def initialize(
         timeout=timeout,
     )
     minutes = max(1, int(timeout.total_seconds() // 60))
-    if plan.per_stage_tensor_parallel:
-        # The groups come from the plan's grid (patch parallel-state-groups-from-per-stage-grid);
-        # sizes of 1 only keep megatron-core's divisibility checks of one grid quiet.
+    coords = plan.grid.coords(logical_rank)
+    if not plan.megatron_grid:
+        # The groups come from the plan's grid (patch parallel-state-groups-from-per-stage-grid):
+        # each template's own, side by side; sizes of 1 only keep megatron-core's
+        # divisibility checks of one grid quiet.
         stage_tensor_parallel.use_plan_grid(plan, sequence_parallel)
         parallel_state.initialize_model_parallel(expert_model_parallel_size=plan.expert_parallel,
                                                  distributed_timeout_minutes=minutes, **(group_options or {}))
         stage_tensor_parallel.finish_plan_grid(timeout)
     else:
+        stage_tensor_parallel.use_plan_grid(None)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=plan.tensor_parallel,
             pipeline_model_parallel_size=plan.pipeline_parallel,
@@ -347,14 +349,19 @@ def initialize(
             **(group_options or {}),
         )
         check_expert_groups(plan, logical_rank)
-    coords = plan.coords(logical_rank)
     assert (
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_context_parallel_rank(),
-    ) == (coords.tp_rank, coords.dp_rank, coords.pp_rank, coords.cp_rank), "megatron-core's rank order changed"
-    return RankContext(launch=launch, logical_rank=logical_rank)
+    ) == (coords.tp_rank, coords.local_dp_rank, coords.pp_rank, coords.cp_rank), "megatron-core's rank order changed"
+    from megatron.hetero import template_reduction  # imports megatron-core: after the launch checks
+
+    template_reduction.use_plan(plan if plan.num_templates > 1 else None, timeout)
+    identity = RankIdentity(launch=launch, logical_rank=logical_rank, coords=coords, device=compute_device(),
+                            vendor=comm_vendor(plan, launch, found, planned=check_devices))
+    set_this_rank(identity)
+    return identity
 
 
 def check_expert_groups(plan: Plan, logical_rank: int) -> None:
@@ -363,11 +370,11 @@ def check_expert_groups(plan: Plan, logical_rank: int) -> None:
     order would otherwise deadlock the all-to-all of replicas with unequal counts."""
     from megatron.core import parallel_state
 
-    pp_rank = plan.coords(logical_rank).pp_rank
+    pp_rank = plan.grid.coords(logical_rank).pp_rank
     for kind, planned, group in (
-            ("expert model-parallel", plan.expert_groups(pp_rank), parallel_state.get_expert_model_parallel_group()),
-            ("expert data-parallel", plan.expert_data_groups(pp_rank), parallel_state.get_expert_data_parallel_group()),
-            ("expert tensor-parallel", plan.expert_tensor_groups(pp_rank),
+            ("expert model-parallel", plan.grid.expert_groups(pp_rank), parallel_state.get_expert_model_parallel_group()),
+            ("expert data-parallel", plan.grid.expert_data_groups(pp_rank), parallel_state.get_expert_data_parallel_group()),
+            ("expert tensor-parallel", plan.grid.expert_tensor_groups(pp_rank),
              parallel_state.get_expert_tensor_parallel_group())):
         ours = next(g for g in planned if logical_rank in g)
         built = dist.get_process_group_ranks(group)

@@ -25,9 +25,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-from megatron.hetero import stage_tensor_parallel
+from megatron.hetero import stage_tensor_parallel, template_reduction
 from megatron.hetero.arguments import config_from_flags, honoured_config_values
 from megatron.hetero.performance import ddp_fields, transformer_engine_on_gpu, transformer_fields
+from megatron.hetero.identity import compute_device
 from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.weights import initialize_plan_independent
 
@@ -213,12 +214,15 @@ def build_model(
                           "only (megatron-core overlaps the first model chunk's gather with the step); add "
                           "--num-virtual-stages-per-pipeline-rank or give the plan's stages virtual_stages")
     # Megatron-LM's rule: every honoured flag named like a DDP config field, then ours.
-    ddp_config = config_from_flags(DistributedDataParallelConfig, args, **{**ddp_fields(args, plan.data_parallel),
-                                                                            **megatron_ddp_fields(args, stages)})
+    fields = {**ddp_fields(args, plan.data_parallel), **megatron_ddp_fields(args, stages)}
+    templated = template_reduction.active()
+    if templated:  # the templates' reduction replaces DDP's (and overlaps itself, if asked)
+        fields.update(overlap_grad_reduce=False, bucket_size=None)
+    ddp_config = config_from_flags(DistributedDataParallelConfig, args, **fields)
     chunks = []
     for vp_stage, stage in enumerate(stages):
         if torch.cuda.is_available():
-            stage.cuda(torch.cuda.current_device())
+            stage.cuda(compute_device())
         if args.fp16 or args.bf16:
             stage = Float16Module(config, stage)
         # As Megatron-LM: chunks after the first reduce in one bucket each; their reduction
@@ -233,7 +237,9 @@ def build_model(
         for chunk in chunks:
             chunk.broadcast_params()
     config.finalize_model_grads_func = _traced_finalize_model_grads
-    _set_schedule_sync_functions(args, config, chunks)
+    _set_schedule_sync_functions(args, config, chunks, templated)
+    # Several templates: every parameter's gradient reduced over every template's holders.
+    template_reduction.install(chunks, config.sequence_parallel, config.qk_layernorm, args.overlap_grad_reduce)
     return chunks
 
 
@@ -257,7 +263,7 @@ def megatron_ddp_fields(args: argparse.Namespace, stages: list[torch.nn.Module])
 
 
 def _set_schedule_sync_functions(args: argparse.Namespace, config: TransformerConfig,
-                                 chunks: list[DistributedDataParallel]) -> None:
+                                 chunks: list[DistributedDataParallel], templated: bool = False) -> None:
     """What Megatron-LM's setup_model_and_optimizer hands the schedule for overlapped
     reduction: the schedule holds back the DDP hooks (no_sync) until each replica's own
     last micro-batch, then every bucket's reduction starts as its gradients are done."""
@@ -265,7 +271,7 @@ def _set_schedule_sync_functions(args: argparse.Namespace, config: TransformerCo
     def per_chunk(functions: list):
         return functions[0] if len(functions) == 1 else functions
 
-    if args.overlap_grad_reduce:
+    if args.overlap_grad_reduce and not templated:  # templates: template_reduction counts micro-batches
         config.no_sync_func = per_chunk([chunk.no_sync for chunk in chunks])
         if args.align_grad_reduce:
             config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in chunks])
@@ -278,6 +284,8 @@ def _traced_finalize_model_grads(*args, **kwargs):
     busy time of the iteration ends (timed when an iteration is traced)."""
     BUSY.reduction_starts()
     with TRACE.span("reduce"):
+        if template_reduction.active():
+            return template_reduction.finalize_model_grads(*args, **kwargs)
         if stage_tensor_parallel.active_plan() is not None:
             return stage_tensor_parallel.finalize_model_grads_on_plan_grid(finalize_model_grads, *args, **kwargs)
         return finalize_model_grads(*args, **kwargs)

@@ -24,6 +24,7 @@ from hetero.errors import HeteroError
 from hetero.spec.model import ModelSpec
 
 from megatron.hetero import stage_tensor_parallel
+from megatron.hetero.identity import compute_device
 from megatron.hetero.patches import import_megatron_core
 
 import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
@@ -109,8 +110,9 @@ def _reduce_on_plan_grid(names: list[str], num_layers: int, plan) -> None:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    degree = plan.stage_tensor_parallel[plan.coords(dist.get_rank()).pp_rank]
+    device = compute_device()
+    me = plan.grid.coords(dist.get_rank())
+    degree = plan.grid.stage_tensor_parallel(me.template)[me.pp_rank]
     data_group = ps.get_data_parallel_group(with_context_parallel=False)
     for name in names:
         entry = tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device),

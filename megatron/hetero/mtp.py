@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+from megatron.hetero.identity import compute_device
 from megatron.hetero.patches import import_megatron_core
 
 import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
@@ -35,7 +36,7 @@ class MTPMetrics:
                 tensorboard=None, wandb=None) -> dict[str, float]:
         tracker = MTPLossLoggingHelper.tracker
         if "values" not in tracker:  # a rank without MTP layers adds zeros
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            device = compute_device()
             tracker["values"] = torch.zeros(self.num_layers, device=device)
         tracker["reduce_group"] = parallel_state.get_pipeline_model_parallel_group()
         tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)

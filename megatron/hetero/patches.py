@@ -398,6 +398,16 @@ def _apply_plan_rank_generator() -> object:
     return parallel_state.RankGenerator
 
 
+def _apply_grad_stats_agree_across_templates() -> object:
+    from megatron.core.optimizer import optimizer
+
+    from megatron.hetero.template_reduction import agreed_across_templates
+
+    optimizer.get_grad_norm_fp32 = agreed_across_templates(optimizer.get_grad_norm_fp32)
+    optimizer.count_zeros_fp32 = agreed_across_templates(optimizer.count_zeros_fp32)
+    return optimizer.get_grad_norm_fp32
+
+
 def _apply_host_split_sizes() -> object:
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -702,7 +712,8 @@ PATCHES: tuple[Patch, ...] = (
             "stages differ in tensor-parallel degree has none. RankGenerator.get_ranks answers "
             "from the plan's grid instead (stage_tensor_parallel.rank_groups), so "
             "initialize_model_parallel builds the TP, DP, pipeline, model-parallel and embedding "
-            "groups of each stage itself. Inert unless such a plan is installed"
+            "groups of each stage itself; under several replica templates, each template's groups "
+            "side by side. Inert unless such a plan is installed"
         ),
         needed=lambda: True,
         apply=_apply_plan_rank_generator,
@@ -718,6 +729,18 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_resharding_p2p,
+    ),
+    Patch(
+        name="grad-stats-agree-across-templates",
+        why=(
+            "under a plan of several replica templates each template's optimizer computes the "
+            "gradient norm (and zero count) over its own ranks: the same sum in another order, "
+            "which may round differently, so the templates would clip by different factors and "
+            "their copies of the weights drift apart. The value template 0 computes is given to "
+            "every rank (template_reduction.agreed_across_templates). Inert under one template"
+        ),
+        needed=lambda: True,
+        apply=_apply_grad_stats_agree_across_templates,
     ),
     Patch(
         name="alltoall-split-sizes-on-cpu",

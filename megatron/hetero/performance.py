@@ -26,7 +26,8 @@ import torch
 
 from hetero.errors import HeteroError, PlanError
 from hetero.pipeline_layout import SplitFlags, megatron_split
-from hetero.plan import Plan, RecomputeEntry
+from hetero.plan import Plan
+from hetero.plan_entries import RecomputeEntry
 
 
 # ----- flags against the plan (before any process group exists) -------------------------
@@ -51,8 +52,28 @@ def performance_on_plan(args: argparse.Namespace, plan: Plan) -> Plan:
     plan with its virtual stages filled in when the flags ask for an even interleaved split."""
     _check_recompute_flags(args)  # first: the per-stage recomputation reads what it settles
     _check_sequence_parallel(args, plan)
+    if plan.num_templates > 1:
+        return _on_templates(args, plan)
     plan = _with_virtual_stages(args, plan)
     _check_uniform_recompute_groups(args, plan)
+    return plan
+
+
+def _on_templates(args: argparse.Namespace, plan: Plan) -> Plan:
+    """The performance flags under a plan of several templates: each template's stages
+    checked as a plan of their own."""
+    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise HeteroError(f"{flag}: the interleaved schedule is not supported with several replica "
+                              "templates yet; drop the flag or use a plan of one template")
+    for flag, used in (("--ckpt-format torch", args.ckpt_format == "torch"), ("--hetero-adapt", args.hetero_adapt)):
+        if used:
+            raise HeteroError(f"{flag} is not supported with several replica templates yet; "
+                              + ("use --ckpt-format torch_dist (the default)" if "ckpt" in flag else "drop it"))
+    for template in range(plan.num_templates):
+        _check_uniform_recompute_groups(args, plan.template_plan(template))
+        if plan.templates[template].stages[0].virtual_stages:  # this template interleaves
+            _check_micro_batch_groups(args, plan, template)
     return plan
 
 
@@ -183,14 +204,16 @@ def _with_virtual_stages(args: argparse.Namespace, plan: Plan) -> Plan:
     return result
 
 
-def _check_micro_batch_groups(args: argparse.Namespace, plan: Plan) -> None:
+def _check_micro_batch_groups(args: argparse.Namespace, plan: Plan, template: int = 0) -> None:
     """megatron-core's interleaved schedule runs a replica's M micro-batches in groups of
     --microbatch-group-size-per-virtual-pipeline-stage N (default: the pipeline-parallel size
     P) and raises, only when it runs, unless P <= N <= M and the last group, M mod N, is
-    empty or at least P long. Every count a replica runs is checked here: the plan's, which
-    is also evaluation's (Megatron-LM's evaluate runs the whole global batch, never a ramp
-    step), and each --rampup-batch-size step's."""
-    pp = plan.pipeline_parallel
+    empty or at least P long. Every count a replica (of ``template``) runs is checked here:
+    the plan's, which is also evaluation's (Megatron-LM's evaluate runs the whole global
+    batch, never a ramp step), and each --rampup-batch-size step's."""
+    pp = plan.templates[template].pipeline_parallel
+    first = plan.grid.replica_offsets[template]
+    mine = range(first, first + plan.templates[template].data_parallel)
     given = getattr(args, "microbatch_group_size_per_vp_stage", None)
     group = given if given is not None else pp
     flag = (f"--microbatch-group-size-per-virtual-pipeline-stage {group}" if given is not None else
@@ -199,12 +222,13 @@ def _check_micro_batch_groups(args: argparse.Namespace, plan: Plan) -> None:
     if group < pp:
         raise HeteroError(f"{flag} is below the pipeline-parallel size {pp} (megatron-core refuses it); "
                           f"give at least {pp}")
-    counts = {replica.num_micro_batches: "the plan's global batch, in training and evaluation"
-              for replica in plan.replicas}
+    counts = {plan.replicas[d].num_micro_batches: "the plan's global batch, in training and evaluation"
+              for d in mine}
     for batch in _ramp_batch_sizes(args, plan):
         try:
-            counts.update({n: f"the --rampup-batch-size step of {batch} samples"
-                           for n in plan.split_micro_batches(batch) if n not in counts})
+            split = plan.split_micro_batches(batch)
+            counts.update({split[d]: f"the --rampup-batch-size step of {batch} samples"
+                           for d in mine if split[d] not in counts})
         except PlanError:
             continue  # the batch schedule names a ramp step the plan cannot split
     for count, source in sorted(counts.items()):
@@ -422,24 +446,34 @@ def startup_lines(args: argparse.Namespace, plan: Plan, transformer_impl: str) -
         lines.append("> --sequence-parallel: disabled because tensor-model-parallel size is 1 "
                      "(as Megatron-LM)")
     elif args.sequence_parallel:
-        sizes = "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel
+        sizes = "/".join(map(str, sorted({tp for t in plan.templates for tp in t.stage_tensor_parallel})))
         lines.append(f"> sequence parallelism over tensor-parallel size {sizes}")
-    stages = [describe_recompute(recompute_fields(args, plan, s)) for s in range(plan.pipeline_parallel)]
-    if any(s != "none" for s in stages):
-        lines.append("> activation recomputation per stage: "
-                     + ", ".join(f"stage {s}: {text}" for s, text in enumerate(stages)))
-    if plan.virtual_pipeline_size is not None:
-        split = " | ".join(str(n) for n in plan.virtual_stage_layers())
-        lines.append(f"> interleaved 1F1B: {plan.virtual_pipeline_size} virtual stages per pipeline "
-                     f"rank, layers per virtual stage {split}, pipeline communication "
-                     f"{'overlapped' if args.overlap_p2p_comm else 'batched'}")
+    for index in range(plan.num_templates):
+        pipeline = plan.template_plan(index) if plan.num_templates > 1 else plan
+        stages = [describe_recompute(recompute_fields(args, pipeline, s)) for s in range(pipeline.pipeline_parallel)]
+        if any(s != "none" for s in stages):
+            lines.append("> activation recomputation per stage"
+                         + (f" of template {index}" if plan.num_templates > 1 else "") + ": "
+                         + ", ".join(f"stage {s}: {text}" for s, text in enumerate(stages)))
+    for index in range(plan.num_templates):
+        pipeline = plan.template_plan(index) if plan.num_templates > 1 else plan
+        if pipeline.virtual_pipeline_size is not None:
+            split = " | ".join(str(n) for n in pipeline.virtual_stage_layers())
+            lines.append("> interleaved 1F1B" + (f" in template {index}" if plan.num_templates > 1 else "")
+                         + f": {pipeline.virtual_pipeline_size} virtual stages per pipeline rank, layers per "
+                         f"virtual stage {split}, pipeline communication "
+                         f"{'overlapped' if args.overlap_p2p_comm else 'batched'}")
     ddp = ddp_fields(args, plan.data_parallel)
-    if ddp["overlap_grad_reduce"]:
+    gather = ", parameter all-gather overlapped with forward" if ddp["overlap_param_gather"] else ""
+    if plan.num_templates > 1:
+        when = ("during the last micro-batch's backward, group by group as its gradients are final"
+                if ddp["overlap_grad_reduce"] else "after the last micro-batch's backward")
+        lines.append(f"> {plan.num_templates} replica templates: each parameter's gradient reduced over every "
+                     f"replica of every template holding it, {when}{gather}")
+    elif ddp["overlap_grad_reduce"]:
         buckets = (f"this rank's parameters in {args.ddp_num_buckets} buckets" if args.ddp_num_buckets
                    else f"buckets of {ddp['bucket_size']} elements")
-        lines.append(f"> gradient reduction overlapped with backward ({buckets}"
-                     + (", parameter all-gather overlapped with forward" if ddp["overlap_param_gather"] else "")
-                     + ")")
+        lines.append(f"> gradient reduction overlapped with backward ({buckets}{gather})")
     lines.append(f"> fused kernels: {megatron_fusions(args, transformer_impl).describe()}"
                  + ("; cross-entropy loss fusion" if args.cross_entropy_loss_fusion else ""))
     return lines

@@ -44,7 +44,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         from megatron.hetero.training import run  # imports megatron-core: after the checks
 
-        run(job.args, job.plan, job.plan_source, launch)              # 3-6 (startup), training
+        run(job.args, job.plan, job.plan_source, launch, argv)        # 3-6 (startup), training
     except HeteroError as err:
         error(launch.rank, str(err))
         return _stop_on_bad_input(launch)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.plan import Plan
+from megatron.hetero.identity import this_rank
 
 _plan: Plan | None = None
 _sequence_parallel = False
@@ -43,10 +44,11 @@ _tied_embedding: "TiedEmbeddingGrads | None" = None
 
 
 def use_plan_grid(plan: Plan | None, sequence_parallel: bool = False) -> None:
-    """Installs (or, with None, removes) the per-stage grid the patched classes follow.
-    A plan whose stages share one degree leaves megatron-core's own grid in place."""
+    """Installs (or, with None, removes) the plan's grid the patched classes follow (a
+    degree per stage, or several templates side by side). A plan on megatron-core's own
+    grid (Plan.megatron_grid) leaves that grid in place."""
     global _plan, _sequence_parallel
-    _plan = plan if plan is not None and plan.per_stage_tensor_parallel else None
+    _plan = plan if plan is not None and not plan.megatron_grid else None
     _sequence_parallel = sequence_parallel
 
 
@@ -58,24 +60,9 @@ def active_plan() -> Plan | None:
 
 
 def rank_groups(plan: Plan, token: str) -> list[list[int]]:
-    """megatron-core's group lists for one token, from the plan's grid (cp and ep are 1)."""
-    names = set(token.split("-"))
-    unknown = names - {"tp", "dp", "pp", "cp", "ep"}
-    if unknown:
-        raise ValueError(f"unknown parallelism {sorted(unknown)} in {token!r}")
-    coords = [plan.coords(r) for r in range(plan.world_size)]
-    if "pp" in names and "tp" not in names:
-        if "dp" in names:  # no megatron-core token asks for this; refuse rather than guess
-            raise ValueError(f"{token!r}: pipeline and data groups without tensor ranks are not defined "
-                             "when stages differ in tensor-parallel degree")
-        return [plan.pipeline_group(t, d) for d in range(plan.data_parallel)
-                for t in range(plan.max_tensor_parallel)]
-    groups: dict[tuple, list[int]] = {}
-    for rank, c in enumerate(coords):
-        key = (None if "pp" in names else c.pp_rank, None if "dp" in names else c.dp_rank,
-               None if "tp" in names else c.tp_rank)
-        groups.setdefault(key, []).append(rank)
-    return list(groups.values())
+    """megatron-core's group lists for one token ("tp", "dp-cp", "tp-pp", ...), from the plan's
+    rank grid (hetero/grid.py; cp and ep are 1 here)."""
+    return plan.grid.groups(token)
 
 
 def expert_rank_groups(plan: Plan, token: str) -> list[list[int]]:
@@ -86,22 +73,22 @@ def expert_rank_groups(plan: Plan, token: str) -> list[list[int]]:
     many copies of its experts (hetero.plan.expert_parallel_problems checks it)."""
     stages = range(plan.pipeline_parallel)
     if token == "ep":
-        return [group for s in stages for group in plan.expert_groups(s)]
+        return [group for s in stages for group in plan.grid.expert_groups(s)]
     if token == "tp":
-        return [group for s in stages for group in plan.expert_tensor_groups(s)]
+        return [group for s in stages for group in plan.grid.expert_tensor_groups(s)]
     if token == "dp":
-        return [group for s in stages for group in plan.expert_data_groups(s)]
+        return [group for s in stages for group in plan.grid.expert_data_groups(s)]
     if token == "pp":
         return rank_groups(plan, "pp")
 
     def block(s: int, d: int) -> list[int]:  # stage s's expert model-parallel ranks of copy d
-        return [plan.expert_rank_at(t, e, d, s) for e in range(plan.expert_parallel)
-                for t in range(plan.stage_expert_tensor_parallel(s))]
+        return [plan.grid.expert_rank_at(t, e, d, s) for e in range(plan.expert_parallel)
+                for t in range(plan.grid.stage_expert_tensor_parallel(s))]
 
     if token == "tp-ep":
-        return [block(s, d) for s in stages for d in range(plan.stage_expert_data_parallel(s))]
+        return [block(s, d) for s in stages for d in range(plan.grid.stage_expert_data_parallel(s))]
     if token == "tp-ep-pp":
-        return [[rank for s in stages for rank in block(s, d)] for d in range(plan.stage_expert_data_parallel(0))]
+        return [[rank for s in stages for rank in block(s, d)] for d in range(plan.grid.stage_expert_data_parallel(0))]
     raise ValueError(f"no expert group {token!r} is defined when stages differ in tensor-parallel degree")
 
 
@@ -122,23 +109,35 @@ def plan_rank_generator(original: type) -> type:
 
 
 def finish_plan_grid(timeout) -> None:
-    """After initialize_model_parallel under a per-stage grid, two groups megatron-core
+    """After initialize_model_parallel under the plan's grid, the groups megatron-core
     derives from one grid's arithmetic: a rank in several pipeline groups keeps the first,
     the one of its own tensor rank (megatron-core would hand out a list); the distributed
-    optimizer's instance group (one instance: every rank) is counted in whole grids and
-    would be left unset."""
+    optimizer's instance group (one instance per template: the template's ranks) is counted
+    in whole grids and would be left unset. Tied embeddings: see the module docstring (3);
+    under several templates their gradients are summed by the templates' reduction
+    (template_reduction.py), so megatron-core's embedding groups are not used."""
     from megatron.core import parallel_state as ps
 
     if isinstance(ps._PIPELINE_GLOBAL_RANKS[0], list):
         ps._PIPELINE_MODEL_PARALLEL_GROUP = ps._PIPELINE_MODEL_PARALLEL_GROUP[0]
         ps._PIPELINE_GLOBAL_RANKS = ps._PIPELINE_GLOBAL_RANKS[0]
+    grid, me = _plan.grid, _plan.grid.coords(dist.get_rank())
     if ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP is None:
-        ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = dist.new_group(
-            list(range(dist.get_world_size())), timeout=timeout)
+        for template in range(grid.num_templates):  # every rank creates every group
+            group = dist.new_group(list(grid.template_ranks(template)), timeout=timeout)
+            if template == me.template:
+                ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = group
+    virtual = _plan.templates[me.template].stages[0].virtual_stages
+    if virtual:  # this template's interleaved schedule (megatron-core sets it only on its own grid)
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+        ps.set_virtual_pipeline_model_parallel_world_size(len(virtual))
     global _tied_embedding
     _tied_embedding = None
-    degrees = _plan.stage_tensor_parallel
-    if _plan.pipeline_parallel > 1 and degrees[0] != degrees[-1]:
+    degrees = grid.stage_tensor_parallel(me.template)
+    if grid.num_templates > 1:
+        ps._EMBEDDING_GROUP = None
+        ps._EMBEDDING_GLOBAL_RANKS = None
+    elif len(degrees) > 1 and degrees[0] != degrees[-1]:
         # megatron-core's embedding groups pair first- and last-stage ranks of one tensor rank;
         # with unequal degrees they overlap and would pair unequal shards: none is used.
         ps._EMBEDDING_GROUP = None
@@ -157,7 +156,7 @@ def finalize_model_grads_on_plan_grid(finalize, model, num_tokens=None, *args, *
     if _tied_embedding is not None:
         _tied_embedding.reduce(model)  # before the per-token scaling, as megatron-core's
     if num_tokens is not None:
-        replica = _plan.replica_ranks(_plan.coords(dist.get_rank()).dp_rank)
+        replica = _plan.grid.replica_ranks(_plan.grid.coords(dist.get_rank()).dp_rank)
         dist.broadcast(num_tokens, src=replica[-1], group=ps.get_model_parallel_group())
         dist.all_reduce(num_tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
         if num_tokens > 0:
@@ -174,14 +173,14 @@ class TiedEmbeddingGrads:
     def __init__(self, plan: Plan, timeout) -> None:
         last = plan.pipeline_parallel - 1
         self.plan = plan
-        self.ranks = sorted(r for r in range(plan.world_size) if plan.coords(r).pp_rank in (0, last))
+        self.ranks = sorted(r for r in range(plan.world_size) if plan.grid.coords(r).pp_rank in (0, last))
         self.group = dist.new_group(self.ranks, timeout=timeout)  # every rank creates every group
 
     def reduce(self, model: list[torch.nn.Module]) -> None:
         rank = dist.get_rank()
         if rank not in self.ranks:
             return
-        me = self.plan.coords(rank)
+        me = self.plan.grid.coords(rank)
         chunk = model[0] if me.pp_rank == 0 else model[-1]
         weight = _tied_weight(chunk, first_stage=me.pp_rank == 0)
         if weight is None:  # untied model: nothing shared
@@ -204,8 +203,12 @@ TIED_TABLE_KEY = "embedding.word_embeddings.weight"
 
 
 def tied_across_degrees() -> bool:
-    """Whether the first and last stage differ in degree (their tied table's copies too)."""
-    return _tied_embedding is not None
+    """Whether the first and last stage of some template differ in degree (their tied table's
+    copies too): the same answer on every rank, since it decides how every rank loads."""
+    if _plan is None:
+        return False
+    return any(len(t.stage_tensor_parallel) > 1 and t.stage_tensor_parallel[0] != t.stage_tensor_parallel[-1]
+               for t in _plan.templates)
 
 
 def drop_tied_copy_for_save(state: dict) -> dict:
@@ -214,7 +217,11 @@ def drop_tied_copy_for_save(state: dict) -> dict:
     save checks that every shard of one key has one shape, which two degrees cannot meet;
     the copy is equal to the table (same start, same summed gradients), and at load it is
     read from the table's key, re-sharded to its own degree."""
-    if _tied_embedding is None or _plan.coords(dist.get_rank()).pp_rank != _plan.pipeline_parallel - 1:
+    if _plan is None:
+        return state
+    me = _plan.grid.coords(dist.get_rank())
+    degrees = _plan.grid.stage_tensor_parallel(me.template)
+    if degrees[0] == degrees[-1] or me.pp_rank != len(degrees) - 1:
         return state
 
     def keep(value) -> bool:
@@ -279,9 +286,9 @@ def stage_pieces(plan: Plan, logical_rank: int, peer_stage: int, seq_length: int
                  receiving: bool) -> list[Piece]:
     """What this rank receives from (receiving) or sends to the ranks of peer_stage in its
     own replica, for a tensor whose whole length is seq_length rows."""
-    me = plan.coords(logical_rank)
-    my_tp = plan.stage_tensor_parallel[me.pp_rank]
-    peer_tp = plan.stage_tensor_parallel[peer_stage]
+    me = plan.grid.coords(logical_rank)
+    degrees = plan.grid.stage_tensor_parallel(me.template)
+    my_tp, peer_tp = degrees[me.pp_rank], degrees[peer_stage]
     mine = _rows(me.tp_rank, my_tp, seq_length, sequence_parallel)
     pieces = []
     for u in range(peer_tp):
@@ -292,7 +299,7 @@ def stage_pieces(plan: Plan, logical_rank: int, peer_stage: int, seq_length: int
                 continue
         start, stop = max(mine[0], theirs[0]), min(mine[1], theirs[1])
         if start < stop:
-            pieces.append(Piece(plan.rank_at(u, me.dp_rank, peer_stage), start, stop))
+            pieces.append(Piece(plan.grid.rank_at(u, me.dp_rank, peer_stage), start, stop))
     return pieces
 
 
@@ -315,37 +322,60 @@ def resharding_communicator(original: type) -> type:
 
 def _reshard(config, send_next, send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs):
     plan, rank = _plan, dist.get_rank()
-    me = plan.coords(rank)
-    stage, my_tp = me.pp_rank, plan.stage_tensor_parallel[me.pp_rank]
+    me = plan.grid.coords(rank)
+    stage, my_tp = me.pp_rank, plan.grid.stage_tensor_parallel(me.template)[me.pp_rank]
     # Sends alone carry no shape (megatron-core passes None): the tensor has it.
     shape = tensor_shape if tensor_shape is not None else (send_next if send_next is not None else send_prev).shape
     sharded = _sequence_parallel
     whole = shape[0] * my_tp if sharded else shape[0]  # sequence rows of the whole activation
     offset = _rows(me.tp_rank, my_tp, whole, sharded)[0]
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = this_rank().device
 
     def buffer():
         return torch.empty(tensor_shape, requires_grad=True, device=device, dtype=config.pipeline_dtype)
 
-    ops: list[dist.P2POp] = []
     received_prev = buffer() if recv_prev else None
     received_next = buffer() if recv_next else None
+    # The interleaved schedule wraps around: the last stage sends its chunk's output to the
+    # first stage's next chunk (stage numbers modulo the pipeline depth).
+    depth = len(plan.grid.stage_tensor_parallel(me.template))
+    before, after = (stage - 1) % depth, (stage + 1) % depth
     # Sends first, then receives, each in peer order: both ends list a pair's pieces alike.
-    for tensor, peer_stage in ((send_prev, stage - 1), (send_next, stage + 1)):
+    ops: dict[str, list[dist.P2POp]] = {}
+    for key, tensor, peer_stage in (("send_prev", send_prev, before), ("send_next", send_next, after)):
         if tensor is not None:
-            for piece in stage_pieces(plan, rank, peer_stage, whole, sharded, receiving=False):
-                ops.append(dist.P2POp(dist.isend, tensor[piece.start - offset:piece.stop - offset], piece.peer))
-    for tensor, peer_stage in ((received_prev, stage - 1), (received_next, stage + 1)):
+            ops[key] = [dist.P2POp(dist.isend, tensor[piece.start - offset:piece.stop - offset], piece.peer)
+                        for piece in stage_pieces(plan, rank, peer_stage, whole, sharded, receiving=False)]
+    for key, tensor, peer_stage in (("recv_prev", received_prev, before), ("recv_next", received_next, after)):
         if tensor is not None:
-            for piece in stage_pieces(plan, rank, peer_stage, whole, sharded, receiving=True):
-                view = tensor.detach()[piece.start - offset:piece.stop - offset]
-                ops.append(dist.P2POp(dist.irecv, view, piece.peer))
-    requests = dist.batch_isend_irecv(ops) if ops else []
+            ops[key] = [dist.P2POp(dist.irecv, tensor.detach()[piece.start - offset:piece.stop - offset], piece.peer)
+                        for piece in stage_pieces(plan, rank, peer_stage, whole, sharded, receiving=True)]
+    if not wait_on_reqs and not config.batch_p2p_comm:
+        # Overlapped pipeline communication (the interleaved schedule's): one handle per
+        # direction, keyed as megatron-core's _p2p_ops keys them, waited on by the schedule.
+        return received_prev, received_next, {
+            key: _Pieces([op.op(op.tensor, op.peer) for op in pieces]) for key, pieces in ops.items()}
+    flat = [op for pieces in ops.values() for op in pieces]
+    requests = dist.batch_isend_irecv(flat) if flat else []
     if wait_on_reqs:
         for request in requests:
             request.wait()
         requests = None
     return received_prev, received_next, requests
+
+
+class _Pieces:
+    """The requests of one direction's pieces, waited on as one."""
+
+    def __init__(self, requests: list) -> None:
+        self.requests = requests
+
+    def wait(self) -> None:
+        for request in self.requests:
+            request.wait()
+
+    def is_completed(self) -> bool:
+        return all(request.is_completed() for request in self.requests)
 
 
 __all__ = ["Piece", "TIED_TABLE_KEY", "TiedEmbeddingGrads", "drop_tied_copy_for_save", "tied_across_degrees", "active_plan", "finalize_model_grads_on_plan_grid", "finish_plan_grid",

@@ -42,6 +42,7 @@ import torch
 
 from hetero.env import Launch
 from hetero.errors import HeteroError
+from hetero.grid import TP_PP_DP_ORDER
 from hetero.plan import DeviceEntry, Plan
 from hetero.pipeline_layout import SplitFlags, parse_layout, split_disagreement
 from hetero.spec.model import ModelSpec
@@ -56,7 +57,7 @@ from megatron.hetero.arguments import (
 )
 from megatron.hetero import distributed
 from megatron.hetero.batch_schedule import batch_schedule
-from megatron.hetero.distributed import RankContext
+from megatron.hetero.identity import RankIdentity
 from megatron.hetero.performance import check_performance_flags, performance_on_plan
 from megatron.hetero.problems import Problems
 
@@ -134,8 +135,8 @@ def configure(argv: Sequence[str], world_size: int, launch: Launch | None = None
     if args.hetero_plan or not _missing_layout_flags(args):  # missing ones: validate_args names them
         _, loaded = problems.attempt(load_plan, args, world_size)
         plan, plan_source = loaded or (None, None)
-    if plan is not None:
-        problems.attempt(apply_plan, args, plan)   # the plan's layout into the flags, even on a conflict
+    if plan is not None:                           # the plan's layout into the flags, even on a conflict
+        problems.attempt(apply_plan, args, plan, _template_of(plan, launch))
     else:                                          # the flags' own layout for the checks below
         args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
         args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
@@ -156,6 +157,14 @@ def configure(argv: Sequence[str], world_size: int, launch: Launch | None = None
         _check_launch(problems, args, plan, plan_source, launch, defaults_filled)
     problems.raise_if_any()
     return Configured(args, plan, plan_source)
+
+
+def _template_of(plan: Plan, launch: Launch | None) -> int:
+    """The replica template this process runs (0 before a launch, or when the launch does not
+    fit the plan: the world-size check names that)."""
+    if plan.num_templates == 1 or launch is None or launch.world_size != plan.world_size:
+        return 0
+    return plan.grid.coords(plan.logical_rank(launch.rank)).template
 
 
 def _missing_layout_flags(args: argparse.Namespace) -> bool:
@@ -241,7 +250,12 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
                 "(megatron-core's rule)")
     if args.hetero_plan:
         plan = Plan.load(args.hetero_plan)
-        if args.num_layers is None or args.num_layers == plan.num_layers:  # else apply_plan names --num-layers
+        if plan.num_templates > 1:
+            given = split_flags.given()
+            if given:
+                raise HeteroError(f"{', '.join(given)} describe one pipeline; the plan runs {plan.num_templates} "
+                                  "replica templates, each with its own stages: drop the flags (the plan splits the layers)")
+        elif args.num_layers is None or args.num_layers == plan.num_layers:  # else apply_plan names --num-layers
             planned = [stage.virtual_stages or [stage.num_layers] for stage in plan.stages]
             disagreement = split_disagreement(planned, plan.num_layers, split_flags)
             if disagreement:
@@ -294,21 +308,12 @@ def load_plan(args: argparse.Namespace, world_size: int) -> tuple[Plan, str | No
 
 
 def tp_pp_dp_rank_order(plan: Plan) -> list[int]:
-    """Megatron-LM's --use-tp-pp-dp-mapping as a plan's rank_order: launch rank
-    tp + TP * (cp + CP * (pp + PP * dp)) plays tensor rank tp, context rank cp of replica dp
-    in stage pp (megatron-core's order "tp-cp-ep-pp-dp" instead of its default
-    "tp-cp-ep-dp-pp"; the expert axis lives in its expert grid)."""
-    if plan.per_stage_tensor_parallel:
-        raise HeteroError("--use-tp-pp-dp-mapping needs one tensor-parallel degree for every stage "
-                          "(Megatron-LM's grid); drop the flag: the plan's rank_order places the ranks")
-    tp, pp, cp = plan.tensor_parallel, plan.pipeline_parallel, plan.context_parallel
-    order = [0] * plan.world_size
-    for stage in range(pp):
-        for replica in range(plan.data_parallel):
-            for context in range(cp):
-                for rank in range(tp):
-                    order[plan.rank_at(rank, replica, stage, context)] = rank + tp * (context + cp * (stage + pp * replica))
-    return order
+    """Megatron-LM's --use-tp-pp-dp-mapping as a plan's rank_order: the launch rank of each
+    logical rank is its place when the grid is enumerated in megatron-core's order
+    "tp-cp-ep-pp-dp" instead of its default "tp-cp-ep-dp-pp" (tensor rank tp, context rank cp
+    of replica dp in stage pp: tp + TP * (cp + CP * (pp + PP * dp)); the expert axis lives in
+    its expert grid)."""
+    return plan.grid.positions(TP_PP_DP_ORDER)
 
 
 def model_args(flags: Sequence[str], tensor_parallel: int = 1) -> argparse.Namespace:
@@ -344,7 +349,7 @@ def start_megatron_core() -> list[str]:
 # ----- 4. process groups -----------------------------------------------------------------
 
 
-def init_distributed(args: argparse.Namespace, plan: Plan, plan_source: str | None) -> RankContext:
+def init_distributed(args: argparse.Namespace, plan: Plan, plan_source: str | None) -> RankIdentity:
     """The launch checked against the plan (world size, each rank's device), then the
     process groups, this process at the logical rank the plan gives it."""
     return distributed.initialize(
@@ -388,7 +393,11 @@ def build_model(args: argparse.Namespace, plan: Plan, timers: Any = None) -> tup
     """This rank's model chunks of the plan (one per virtual stage, else one), initialised
     independently of the plan and wrapped for data parallelism, with their config."""
     from megatron.hetero import model  # imports megatron-core
+    from megatron.hetero.identity import this_rank
 
-    config = model.transformer_config(args, plan)
+    # Under several templates the model is this rank's template's pipeline (its stages'
+    # degrees, layers and recomputation); the whole plan's grid serves the groups.
+    pipeline = plan.template_plan(this_rank().template) if plan.num_templates > 1 else plan
+    config = model.transformer_config(args, pipeline)
     config.timers = timers  # megatron-core times its own steps at --timing-log-level 2
-    return config, model.build_model(args, plan, config)
+    return config, model.build_model(args, pipeline, config)

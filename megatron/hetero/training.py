@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.utils import get_batch_on_this_cp_rank
-from megatron.hetero import adapt, data, distributed, startup
+from megatron.hetero import adapt, data, distributed, startup, template_reduction
 from megatron.hetero.arguments import config_from_flags
 from megatron.core.timers import Timers
 from megatron.hetero.cpu_device import substitution_note
@@ -56,7 +56,8 @@ from megatron.hetero.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron.hetero.distributed import Launch, RankContext
+from megatron.hetero.distributed import Launch
+from megatron.hetero.identity import RankIdentity, compute_device, this_rank
 from megatron.hetero.log import (
     arguments_block,
     evaluation_block,
@@ -80,6 +81,9 @@ from megatron.hetero.mtp import MTPMetrics
 from megatron.hetero.performance import startup_lines as performance_startup_lines
 from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.watchdog import Watchdog
+from megatron.hetero.restart import InProcessRestart, Outcome, launch_environment, said_lost_state, teardown
+from megatron.hetero.snapshots import LostState
+from hetero.launch.inprocess import Rejoin, place, wait_for_rejoin
 
 
 def rank_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init: bool = False) -> int:
@@ -107,8 +111,7 @@ def get_batch(data_iterator: Iterator[dict] | None):
     if data_iterator is None:
         return None, None, None, None, None
     batch = next(data_iterator)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
+    batch = {k: v.to(this_rank().device, non_blocking=True) for k, v in batch.items() if v is not None}
     # Context parallelism: this rank's two load-balanced chunks of every sequence (the
     # attention mask keeps all its columns: context_parallel.py), as Megatron-LM's get_batch.
     batch = get_batch_on_this_cp_rank(batch)
@@ -269,7 +272,7 @@ def check_weights_match_across_replicas(model_chunks: list, args: argparse.Names
     import hashlib
 
     sync_params_now(model_chunks, args)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = compute_device()
     named = [(name, param) for chunk in model_chunks for name, param in chunk.named_parameters()]
     for expert, group_of in ((False, parallel_state.get_data_parallel_group),
                              (True, parallel_state.get_expert_data_parallel_group)):
@@ -290,6 +293,13 @@ def check_weights_match_across_replicas(model_chunks: list, args: argparse.Names
                 f"(rank {torch.distributed.get_global_rank(group, replica)}) holds another {params[index][0]} than "
                 "replica 0; the replicas diverged (a nondeterministic kernel or a failed reduction) - resume "
                 "from the last checkpoint")
+    if template_reduction.active():  # and across the replica templates, cell by cell
+        problem = template_reduction.reduction().check_weights_agree()
+        found = torch.tensor([problem is not None], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        if found.item():
+            raise HeteroError(f"weights differ across replica templates after iteration {iteration}: "
+                              f"{problem or 'see the other ranks'}; resume from the last checkpoint")
     torch.distributed.barrier()
     print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
 
@@ -441,7 +451,7 @@ def empty_unused_memory() -> None:
 class Trainer:
     """One rank's share of the job: its stage, its replica's micro-batches."""
 
-    def __init__(self, args, plan: Plan, ctx: RankContext, model_chunks: list, optimizer, scheduler,
+    def __init__(self, args, plan: Plan, ctx: RankIdentity, model_chunks: list, optimizer, scheduler,
                  schedule: BatchSchedule, timers: Timers, metrics: MetricsWriter,
                  moe: MoEMetrics | None = None, start_time: float | None = None,
                  exit_requested: Callable[[], bool] | None = None, adapter: adapt.Adapter | None = None):
@@ -453,13 +463,15 @@ class Trainer:
         self.schedule, self.timers, self.metrics, self.moe = schedule, timers, metrics, moe
         self.mtp = MTPMetrics(args) if args.mtp_num_layers is not None else None
         self.spec = model_spec(args)
-        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_rank = ctx.replica  # the plan's replica index (over every template)
         self.forward_backward = get_forward_backward_func()
         self.forward_step = forward_step_for(args)
         self.start_time = start_time or time.time()
         self.progress: ProgressLog | None = None  # --log-progress
         self.operations_this_job = 0.0  # floating-point operations trained since the start
         self.valid_iters: int | None = None  # --full-validation: the whole split's iterations
+        self.restart: InProcessRestart | None = None  # --inprocess-restart: snapshots, re-plans
+        self.rejoin: Rejoin | None = None  # the re-plan the loop stopped for
 
     def _reduce_losses(self, losses_per_micro_batch: list[dict]) -> dict[str, float]:
         """Token-weighted mean over every replica's micro-batches (known on the last stage)."""
@@ -468,9 +480,11 @@ class Trainer:
         reduced = {}
         for key in losses_per_micro_batch[0]:
             totals = torch.stack([m[key].view(-1) for m in losses_per_micro_batch]).sum(dim=0)
-            # Context ranks hold different tokens of the same sequences: their sums add up too.
-            torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group(
-                with_context_parallel=True))
+            if template_reduction.active():  # every template's last stages
+                totals = template_reduction.sum_over_last_stages(totals)
+            else:  # context ranks hold different tokens of the same sequences: their sums add up too
+                torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group(
+                    with_context_parallel=True))
             reduced[key] = (totals[0] / totals[1].clamp(min=1)).item()
         return reduced
 
@@ -493,6 +507,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         num_micro_batches = self.schedule.micro_batches(global_batch_size)[self.dp_rank]
+        template_reduction.begin_iteration(num_micro_batches)  # several templates: when gradients are final
         # (megatron-core's schedule times itself as 'forward-backward')
         BUSY.begin()
         losses = self._run_schedule(data_iterator, num_micro_batches, forward_only=False)
@@ -754,6 +769,15 @@ class Trainer:
                 self.plan = adapted
                 self.schedule = BatchSchedule(adapted, args.rampup_batch_size)
                 train_iterator = train_data(iteration, self.schedule)
+            if self.restart is not None:  # --inprocess-restart: a snapshot; a node taken back
+                self.restart.after_iteration(iteration, self.model_chunks, self.optimizer, self.scheduler, self.plan)
+                self.rejoin = self.restart.planned_rejoin()
+                if self.rejoin is not None:
+                    if iteration % self.restart.interval:  # nothing done since the snapshot is lost
+                        self.restart.snapshot(iteration, self.model_chunks, self.optimizer, self.scheduler, self.plan)
+                    print_rank_0(f"> in-process restart: re-planning at iteration {iteration} (epoch "
+                                 f"{self.rejoin.epoch}, {self.rejoin.world_size} processes)")
+                    break
         return iteration, saved
 
     def _trace_facts(self) -> dict:
@@ -799,17 +823,15 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
     print_rank_0(arguments_block(args))
     print_rank_0(
         f"using world size: {plan.world_size}, data-parallel size: {plan.data_parallel}, "
-        f"context-parallel size: {plan.context_parallel}, tensor-model-parallel size: "
-        f"{'/'.join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel}, "
-        f"pipeline-model-parallel size: {plan.pipeline_parallel}"
-    )
+        f"context-parallel size: {plan.context_parallel}, " + _model_parallel_sizes(plan))
     print_rank_0(f"> hetero plan: {plan_source or 'none (uniform Megatron plan)'}: {plan.summary()}")
     if plan_source:
         for logical in range(plan.world_size):
-            c, d = plan.coords(logical), plan.device_of_logical(logical)
+            c, d = plan.grid.coords(logical), plan.device_of_logical(logical)
             print_rank_0(
                 f"    logical rank {logical:4d} (tp {c.tp_rank}, "
                 + (f"cp {c.cp_rank}, " if plan.context_parallel > 1 else "")
+                + (f"template {c.template}, " if plan.num_templates > 1 else "")
                 + f"dp {c.dp_rank}, pp {c.pp_rank}) "
                 f"-> launch rank {plan.launch_rank(logical):4d} on {d.host} ({d.device_type}, {d.vendor})"
             )
@@ -830,28 +852,87 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
         print_rank_0(f"> {note}")
 
 
-def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: Launch) -> None:
+def _model_parallel_sizes(plan: Plan) -> str:
+    """Megatron-LM's sizes line, a pipeline of each template."""
+    parts = []
+    for template in plan.templates:
+        degrees = template.stage_tensor_parallel
+        tp = "/".join(map(str, degrees)) if len(set(degrees)) > 1 else str(template.tensor_parallel)
+        parts.append(f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {template.pipeline_parallel}")
+    if len(parts) == 1:
+        return parts[0]
+    return "; ".join(f"template {k}: {part}" for k, part in enumerate(parts))
+
+
+def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: Launch,
+        argv: Sequence[str] = ()) -> None:
+    """Steps 3-6 of start-up, then training. With --inprocess-restart the process lives on
+    through lost and returned nodes: each re-plan of the job is a new incarnation (process
+    groups, model, optimizer) built in this process, its state restored from memory."""
     start_time = time.time()  # --exit-duration-in-mins counts from here, as in Megatron-LM
     data.check_data_paths(args)
     patches = startup.start_megatron_core()
-    ctx = startup.init_distributed(args, plan, plan_source)
-    watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
-                        exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None).start()
-    try:
-        _train(args, plan, plan_source, ctx, patches, start_time,
-               watchdog.exit_requested if args.exit_signal_handler else None)
-    except HeteroError as err:  # reported here; ranks still waiting for this one stop too
-        if launch.world_size > 1:
-            watchdog.defer_to_published_stop()
-        watchdog.finish()
-        watchdog.publish_stop(str(err))
-        raise
-    except RuntimeError as err:  # gloo/NCCL errors; a lost peer ends the process in handle()
-        if launch.world_size > 1:
-            watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
-        raise  # no process was lost: keep the real error and its traceback
-    watchdog.finish()
-    torch.distributed.destroy_process_group()
+    restart = InProcessRestart.of(args)
+    rejoin = None
+    if restart is not None and restart.joining:  # a returned node's process: the job restores it
+        rejoin = wait_for_rejoin(restart.control_dir, restart.epoch, timeout_s=args.inprocess_barrier_timeout)
+    while True:
+        ctx = startup.init_distributed(args, plan, plan_source)
+        watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
+                            exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None,
+                            recover=restart is not None,
+                            peer_timeout_s=args.inprocess_heartbeat_timeout if restart is not None else None).start()
+        try:
+            outcome = _train(args, plan, plan_source, ctx, patches, start_time,
+                             watchdog.exit_requested if args.exit_signal_handler else None, restart, rejoin)
+        except HeteroError as err:  # reported here; ranks still waiting for this one stop too
+            if launch.world_size > 1:
+                watchdog.defer_to_published_stop()
+            watchdog.finish()
+            watchdog.publish_stop(str(err))
+            raise
+        except RuntimeError as err:  # gloo/NCCL errors; a lost peer ends the process in handle()
+            if launch.world_size > 1:
+                watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            if restart is None or not watchdog.recovering:
+                raise  # no process was lost: keep the real error and its traceback
+            outcome = Outcome(lost=True)
+        if outcome.rejoin is None and not outcome.lost:
+            watchdog.finish()
+            torch.distributed.destroy_process_group()
+            return
+        watchdog.stop()
+        if outcome.lost:
+            watchdog.publish_recovering()
+        where = place(plan.devices[launch.rank].host,
+                      [r for r, d in enumerate(plan.devices) if d.host == plan.devices[launch.rank].host].index(launch.rank))
+        if not outcome.lost:
+            finalize_pending_saves()  # (after a loss a save in flight cannot finish: it stays incomplete)
+        teardown()  # closes this rank's connections: peers still waiting on it fail and follow
+        rejoin = outcome.rejoin or restart.after_loss(plan, launch.rank, where,
+                                                      timeout_s=args.inprocess_barrier_timeout)
+        restart.epoch = rejoin.epoch
+        variables = launch_environment(rejoin, where)
+        if variables is None:
+            print(f"[{where}] the job's re-plan (epoch {rejoin.epoch}) leaves this process out; it ends", flush=True)
+            return
+        os.environ.update(variables)
+        launch = distributed.read_launch()
+        job = startup.configure(_with_plan(argv, rejoin.plan), launch.world_size, launch)
+        args, plan, plan_source = job.args, job.plan, job.plan_source
+
+
+def _with_plan(argv: Sequence[str], plan_path: str) -> list[str]:
+    """The command line with --hetero-plan pointing at plan_path."""
+    argv = list(argv)
+    for index, arg in enumerate(argv):
+        if arg == "--hetero-plan" and index + 1 < len(argv):
+            argv[index + 1] = plan_path
+            return argv
+        if arg.startswith("--hetero-plan="):
+            argv[index] = f"--hetero-plan={plan_path}"
+            return argv
+    return argv + ["--hetero-plan", plan_path]
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
@@ -894,9 +975,9 @@ def checkpoint_to_load(args: argparse.Namespace) -> str | None:
     return args.pretrained_checkpoint
 
 
-def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: RankContext,
-           patches: list[str], start_time: float,
-           exit_requested: Callable[[], bool] | None) -> None:
+def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: RankIdentity,
+           patches: list[str], start_time: float, exit_requested: Callable[[], bool] | None,
+           restart: InProcessRestart | None = None, rejoin: Rejoin | None = None) -> Outcome:
     schedule = BatchSchedule(plan, args.rampup_batch_size)
     _print_setup(args, plan, plan_source, patches, schedule)
     if args.disable_jit_fuser:
@@ -905,7 +986,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
     if load_dir and (args.exit_on_missing_checkpoint or args.ckpt_convert_format) and latest_iteration(load_dir) is None:
         # As Megatron-LM: a job meant to resume ends (successfully) instead of starting afresh.
         print_rank_0(f">> '--exit-on-missing-checkpoint' set ... no checkpoint in {load_dir}, exiting.")
-        return
+        return Outcome()
     set_random_seed(args.seed, args.data_parallel_random_init)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
@@ -946,15 +1027,28 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
                           args.hetero_adapt_output or adapt.default_output(args.save))
     trainer = Trainer(args, plan, ctx, model_chunks, optimizer, scheduler, schedule, timers, metrics,
                       moe, start_time, exit_requested, adapter)
+    trainer.restart = restart
     start_iteration = 0
-    if load_dir:
+    if rejoin is not None:  # in-process restart: the state from the ranks' snapshots
+        started = time.perf_counter()
+        try:
+            start_iteration = restart.restore(model_chunks, optimizer, scheduler)
+            print_rank_0(f"> in-process restart: state of iteration {start_iteration} restored from memory "
+                         f"under the new plan in {time.perf_counter() - started:.2f} s (no file read)")
+        except LostState as err:
+            fallback = checkpoint_to_load(args) or (args.save if args.save and latest_iteration(args.save) else None)
+            said_lost_state(err, fallback)
+            restart.store.clear()  # of another course of training than the one resumed
+            if fallback:
+                start_iteration, _ = load_checkpoint(fallback, model_chunks, optimizer, scheduler, args)
+    elif load_dir:
         start_iteration, _ = load_checkpoint(load_dir, model_chunks, optimizer, scheduler, args)
     if args.ckpt_convert_format is not None:
         # As Megatron-LM: the loaded checkpoint written again in the format asked for, then exit.
         target = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
         trainer.save(start_iteration, target)
         print_rank_0(f"> converted checkpoint: {load_dir} -> {target} ({args.ckpt_convert_format}).")
-        return
+        return Outcome()
     if args.check_weight_hash_across_dp_replicas_interval is not None:  # as Megatron-LM, before training
         check_weights_match_across_replicas(model_chunks, args, start_iteration)
     if args.log_progress and args.save:
@@ -985,6 +1079,9 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
             valid_iterator,
             do_valid,
         )
+        if trainer.rejoin is not None:  # a node taken back: the loop goes on under a new plan
+            metrics.close()
+            return Outcome(rejoin=trainer.rejoin)
         if adapter is not None:
             adapter.write_corrected_plan()
         print_rank_0(f"[after training is done] iterations: {iteration}")
@@ -1001,3 +1098,4 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
                                                                  cyclic_seed=cyclic_seed),
                                        iteration, consumed, split="test")
     metrics.close()
+    return Outcome()

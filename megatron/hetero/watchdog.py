@@ -39,6 +39,7 @@ from hetero import env, events
 from hetero.events import LostRank
 from hetero.plan import Plan
 from megatron.hetero.distributed import announce_stopped
+from megatron.hetero.identity import compute_device
 from megatron.hetero.log import error
 
 HEARTBEAT_S = 1.0
@@ -49,9 +50,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Watchdog:
     def __init__(self, store: dist.Store, launch_rank: int, plan: Plan,
                  resume_hint: Callable[[], str] = lambda: "",
-                 exit_signal: signal.Signals | None = None):
+                 exit_signal: signal.Signals | None = None, recover: bool = False,
+                 peer_timeout_s: float | None = None):
         """exit_signal: the signal that asks for save-and-exit (--exit-signal-handler);
-        None: every stop signal stops the job at once."""
+        None: every stop signal stops the job at once. recover (--inprocess-restart): a lost
+        rank does not end this process: it is reported, and the training loop, whose next
+        collective fails, waits for the job's re-plan (restart.py)."""
+        self.recover = recover
+        self.recovering = False  # a lost rank was found (recover mode)
         self.job_store = store
         self.store = dist.PrefixStore("hetero/watchdog", store)
         self.launch_rank, self.plan = launch_rank, plan
@@ -59,7 +65,7 @@ class Watchdog:
         self.exit_signal = exit_signal
         # A neighbour silent this long is taken for dead (its heartbeat is independent of how
         # long collectives or checkpoints take).
-        self.peer_timeout_s = float(env.peer_timeout_s())
+        self.peer_timeout_s = float(peer_timeout_s if peer_timeout_s is not None else env.peer_timeout_s())
         self.machine = socket.gethostname()  # where a pid means something
         # The host the job knows this rank by: an emulated node's name (tools/emulator) or
         # the machine's.
@@ -97,7 +103,7 @@ class Watchdog:
         collective over the world, as Megatron-LM's signal handler), so all of them
         finish the same iteration and save it together."""
         flag = torch.tensor([int(self._exit_received)], dtype=torch.int32,
-                            device="cuda" if torch.cuda.is_available() else "cpu")
+                            device=compute_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -183,6 +189,22 @@ class Watchdog:
         except Exception:
             return cause
 
+    def publish_recovering(self) -> None:
+        """Tells every rank that the survivors are leaving their process groups to re-plan
+        (in-process restart): a collective that fails for that is no new failure."""
+        try:
+            self.store.set("recovering", "1")
+        except Exception:
+            pass
+
+    def _recovery_under_way(self) -> bool:
+        """A survivor published the recovery, or the store's host itself is gone."""
+        try:
+            self.store.set_timeout(timedelta(seconds=2))
+            return self.store.check(["recovering"])
+        except Exception:
+            return True
+
     def _stop_requested_by(self) -> str | None:
         """The cause another rank published."""
         if not self.store.check(["stop"]):
@@ -190,7 +212,12 @@ class Watchdog:
         return self.store.get("stop").decode()
 
     def _stop_alone(self, cause: str) -> None:
-        """Ends this process when the job's shared state cannot be read any more."""
+        """Ends this process when the job's shared state cannot be read any more (in recover
+        mode: stops watching; the store's host is lost, which the training loop finds)."""
+        if self.recover:
+            self.recovering = True
+            self.stop()
+            return
         events.emit(events.Stopped(launch_rank=self.launch_rank, cause=cause, alone=True))
         error(self.launch_rank, f"stopping: {cause}.{self.resume_hint()}")
         os._exit(EXIT_CODE)
@@ -202,10 +229,27 @@ class Watchdog:
         signal stops the job), so that the caller can raise its own error. Whichever
         thread comes first reports; the other waits for the exit."""
         if not self._handling.acquire(blocking=False):
-            while True:
-                time.sleep(60)
+            if not self.recover:
+                while True:  # the other thread reports and ends the process
+                    time.sleep(60)
+            self._handling.acquire()  # the other thread finds whether the job recovers
+            if self.recovering:
+                self._handling.release()
+                return
         self.stop()
+        if self.recover and self._recovery_under_way():
+            self.recovering = True  # another survivor found the loss first and left its groups
+            self._handling.release()
+            return
         lost = self._settle()
+        if lost and self.recover:
+            self.publish_recovering()
+            self.recovering = True
+            events.emit(events.LostRanks(launch_rank=self.launch_rank, host=self.host, lost=lost, cause=cause))
+            error(self.launch_rank, f"the job lost {'; '.join(map(describe_lost, lost))}; this process waits for "
+                                    "the job's re-plan (in-process restart)")
+            self._handling.release()
+            return
         if lost:
             events.emit(events.LostRanks(launch_rank=self.launch_rank, host=self.host, lost=lost, cause=cause))
             error(self.launch_rank, f"the job lost {'; '.join(map(describe_lost, lost))}. This process "
@@ -282,13 +326,13 @@ def describe_lost(rank: LostRank) -> str:
 
 def neighbours(plan: Plan, launch_rank: int) -> list[int]:
     """Launch ranks this one exchanges data with directly."""
-    me = plan.coords(plan.logical_rank(launch_rank))
-    logical = set(plan.tensor_group(me.dp_rank, me.pp_rank, me.cp_rank))
-    logical.update(plan.context_group(me.tp_rank, me.dp_rank, me.pp_rank))
-    pipeline = plan.pipeline_group(me.tp_rank, me.dp_rank, me.cp_rank)
+    me = plan.grid.coords(plan.logical_rank(launch_rank))
+    logical = set(plan.grid.tensor_group(me.dp_rank, me.pp_rank, me.cp_rank))
+    logical.update(plan.grid.context_group(me.tp_rank, me.dp_rank, me.pp_rank))
+    pipeline = plan.grid.pipeline_group(me.tp_rank, me.dp_rank, me.cp_rank)
     logical.update(pipeline[max(0, me.pp_rank - 1): me.pp_rank + 2])
-    data = plan.data_group(me.tp_rank, me.pp_rank, me.cp_rank)
-    logical.update(data[(me.dp_rank + step) % len(data)] for step in (-1, 1))
+    data = plan.grid.data_group(me.tp_rank, me.pp_rank, me.cp_rank, me.template)
+    logical.update(data[(me.local_dp_rank + step) % len(data)] for step in (-1, 1))
     return sorted(plan.launch_rank(r) for r in logical if plan.launch_rank(r) != launch_rank)
 
 

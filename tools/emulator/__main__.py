@@ -25,6 +25,7 @@ from hetero.errors import HeteroError
 from hetero.launch import split_at_double_dash
 from hetero.launch.elastic import run_elastic
 from hetero.plan import Plan
+from tools.emulator import cpu_quota
 from tools.emulator.cluster import ElasticRunner, EmulatedCluster, RankLayout, stop_on_termination_signals
 
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-scale", type=float, default=None,
                         help="cores given to a rank of the fastest device type")
     parser.add_argument("--net-scale", type=float, default=None, help="NIC rate multiplier")
+    parser.add_argument("--cpu-shares", type=int, default=cpu_quota.DEFAULT_CPU_SHARES,
+                        help="each rank's cgroup cpu.shares beside the machine's other processes (default "
+                             "%(default)s: a rank gets its whole quota on a busy machine; 0: the kernel's 1024)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--dry-run", action="store_true", help="print the emulated cluster and stop")
     elastic = parser.add_argument_group("elastic (hetero.launch.elastic)")
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         if job and job[0].endswith("pretrain_gpt.py") and plan and "--hetero-plan" not in job:
             job = [job[0], "--hetero-plan", options.plan, *job[1:]]
         emulated = EmulatedCluster(cluster, layout, shaped=not options.unshaped,
-                                   compute_scale=options.compute_scale, net_scale=options.net_scale)
+                                   compute_scale=options.compute_scale, net_scale=options.net_scale,
+                                   cpu_shares=options.cpu_shares)
         print(emulated.describe(), flush=True)
         if options.dry_run:
             return 0

@@ -117,11 +117,15 @@ class JobResult:
 class EmulatedCluster:
     def __init__(self, cluster: Cluster, layout: RankLayout, *, shaped: bool = True,
                  compute_scale: float | None = None, net_scale: float | None = None,
-                 reference_tflops: float | None = None, run_id: int | None = None):
+                 reference_tflops: float | None = None, run_id: int | None = None,
+                 cpu_shares: int = cpu_quota.DEFAULT_CPU_SHARES):
         """reference_tflops: the peak that gets compute_scale cores (default: the fastest
         device in this layout). Pass the full cluster's when emulating part of it, so a
-        device type keeps its speed (the upper bound runs each type alone)."""
+        device type keeps its speed (the upper bound runs each type alone). cpu_shares: each
+        rank's cgroup weight beside the machine's other processes (cpu_quota.py; 0: the
+        kernel's default)."""
         self.cluster, self.layout, self.shaped = cluster, layout, shaped
+        self.cpu_shares = cpu_shares
         self.run_id = run_id if run_id is not None else os.getpid() % 100000
         for host, _ in layout.hosts:
             cluster.node(host)  # a plan for another cluster fails here, by host name
@@ -165,7 +169,7 @@ class EmulatedCluster:
                                   + ". Pass --unshaped to run as plain local processes.")
             try:
                 self._network = network.EmulatedNetwork(self.run_id, self.node_links).__enter__()
-                self._quotas = cpu_quota.CpuQuotas(self.run_id, self.cpu_fractions).__enter__()
+                self._quotas = cpu_quota.CpuQuotas(self.run_id, self.cpu_fractions, self.cpu_shares).__enter__()
             except BaseException:
                 self.__exit__()
                 raise

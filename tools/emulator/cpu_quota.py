@@ -23,6 +23,13 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 # shortest at which every quota stays at the kernel's floor of 1 ms or more, within these.
 SHORTEST_PERIOD_US, LONGEST_PERIOD_US = 5_000, 10_000
 MIN_QUOTA_US = 1_000
+# A rank's claim on the CPU beside the machine's other processes (cgroup v1 cpu.shares; a
+# process outside the ranks' cgroups weighs 1024). A device is its job's alone, so its
+# rank should get the whole of its quota even on a busy machine: at the kernel's default
+# 1024 each rank weighed no more than any one other process, and on a machine shared with
+# other work (load 8-20 on 2 cores) the ranks got a fraction of their quotas, varying from
+# run to run. The quota still caps each rank. 0 keeps the kernel's default.
+DEFAULT_CPU_SHARES = 262_144
 REMOVE_WAIT_S = 10.0  # for killed ranks to finish exiting
 
 
@@ -43,9 +50,10 @@ def period_us(fractions: list[float]) -> int:
 class CpuQuotas:
     """One cgroup per rank, named hetero-<run id>-r<launch rank>; removed on exit."""
 
-    def __init__(self, run_id: int, fractions: list[float]):
+    def __init__(self, run_id: int, fractions: list[float], shares: int = DEFAULT_CPU_SHARES):
         self.run_id = run_id
         self.fractions = fractions
+        self.shares = shares
         self.period_us = period_us(fractions)
         self.paths: list[Path] = []
 
@@ -61,6 +69,8 @@ class CpuQuotas:
                 quota = max(MIN_QUOTA_US, int(fraction * self.period_us))
                 (path / "cpu.cfs_period_us").write_text(str(self.period_us))
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
+                if self.shares:
+                    (path / "cpu.shares").write_text(str(self.shares))
         except OSError as err:
             self.remove()
             raise HeteroError(f"emulator: cannot create CPU cgroups under {CPU_CGROUP}: {err}") from None

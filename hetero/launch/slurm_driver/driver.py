@@ -142,7 +142,7 @@ class Driver(SlurmJob):
                 restarts += 1
             attempt += 1
             plan_path = self._next_plan(plan, new_plan, attempt, why)
-            plan, args = new_plan, with_load(self.train_args)
+            plan, args = new_plan, with_load(self.train_args, new_plan)
 
     def _plan_after_loss(self, plan: Plan, result: AttemptResult, attempt: int, restarts: int,
                          elastic: bool) -> tuple[Plan, str]:

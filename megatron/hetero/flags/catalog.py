@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Flags of ours that Megatron-LM does not have.
-HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--local_rank")
+HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--hetero-snapshot-replicas", "--local_rank")
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,11 @@ THEMES: dict[str, Theme] = {
         "tolerance and in-process restart, rerun state machine, ADLR autoresume)",
         "not supported - remove it; Megatron-Hetero's watchdog reports a lost process and "
         "--save/--load resume the run"),
+    "inprocess_wrapper": Theme(
+        "in-process restart's wrapper", "a setting of nvidia-resiliency-ext's in-process restart wrapper, "
+        "which Megatron-Hetero's in-process restart does not use (it restarts a node's processes together, "
+        "waits --inprocess-barrier-timeout for the job's re-plan and takes a peer silent for "
+        "--inprocess-heartbeat-timeout as lost)", "leave it at its default (remove it)"),
     "kitchen": Theme("kitchen quantization", "NVIDIA kitchen quantization recipes",
                      "not supported - remove it"),
     "heterogeneous_layers": Theme(
@@ -183,6 +188,15 @@ REASONS: dict[str, str] = {
 # refused, under this theme. Given at the default they change nothing, as any refused flag.
 DEFAULT_ONLY: dict[str, str] = {
     "--tp-comm-overlap": "overlap",
+    # In-process restart is Megatron-Hetero's own (restart.py), not nvidia-resiliency-ext's
+    # wrapper these tune: its waits are --inprocess-barrier-timeout (for the job's re-plan) and
+    # --inprocess-heartbeat-timeout (a silent peer); the rest set the wrapper's own monitors.
+    **{name: "inprocess_wrapper" for name in (
+        "--inprocess-max-iterations", "--inprocess-monitor-thread-interval",
+        "--inprocess-monitor-process-interval", "--inprocess-progress-watchdog-interval",
+        "--inprocess-heartbeat-interval", "--inprocess-soft-timeout", "--inprocess-hard-timeout",
+        "--inprocess-completion-timeout", "--inprocess-last-call-wait", "--inprocess-termination-grace-time",
+        "--inprocess-granularity", "--inprocess-active-world-size", "--inprocess-empty-cuda-cache")},
 }
 
 # Values of honoured flags that Megatron-LM accepts and Megatron-Hetero refuses, by name.
@@ -206,10 +220,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
     "--optimizer": {
         "muon": "the Muon optimizer is not supported yet; use adam or sgd",
         "dist_muon": "the Muon optimizer is not supported yet; use adam or sgd"},
-    "--non-persistent-ckpt-type": {
-        value: "local non-persistent checkpoints are kept per node by NVIDIA's resiliency package "
-               "(nvidia-resiliency-ext), which Megatron-Hetero does not drive; use global"
-        for value in ("local", "in_memory")},
     "--rerun-mode": {
         "report_stats": "re-running iterations to report their determinism is not implemented; use "
                         "validate_results or disabled"},
@@ -360,7 +370,6 @@ _THEME_FLAGS: dict[str, tuple[str, ...]] = {
     "resilience": (
         "--log-straggler",
         "--run-workload-inspector-server",
-        "--inprocess-restart",
         "--enable-ft-package",
         "--error-injection-rate",
         "--error-injection-type", "--check-for-spiky-loss",

@@ -12,7 +12,7 @@ import argparse
 from typing import Any, Callable, Sequence
 
 from hetero.errors import HeteroError
-from hetero.spec.model import layer_list_value
+from hetero.spec.megatron_values import layer_list_value
 from megatron.hetero.flags.facts import MegatronFlag, megatron_flags
 
 

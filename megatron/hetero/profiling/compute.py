@@ -48,6 +48,7 @@ from hetero.errors import HeteroError
 from hetero.launch import split_at_double_dash
 from hetero.io import write_json_atomic
 from hetero.spec.profiles import ComputeProfile, median_entry, model_shape
+from megatron.hetero.identity import compute_device
 
 PROBE_DEPTHS = (1, 2, 3, 4)
 # Data flags the profile does not depend on, before the caller's (which win); startup.model_args
@@ -66,6 +67,19 @@ def _device_type(override: str | None) -> str:
     from megatron.hetero.distributed import detect_device
 
     return override or detect_device(env.local_rank()).device_type
+
+
+def _publish_identity() -> None:
+    """The identity training's code asks for (identity.this_rank: the batch's device, the
+    model's template): a replica of its own per rank, as the profile's models are built."""
+    from hetero.grid import RankCoords
+    from megatron.hetero.distributed import detect_device
+    from megatron.hetero.identity import RankIdentity, set_this_rank
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    launch = env.launch() or env.Launch(rank=rank, world_size=world)
+    set_this_rank(RankIdentity(launch=launch, logical_rank=rank, coords=RankCoords(tp_rank=0, dp_rank=rank, pp_rank=0),
+                               device=compute_device(), vendor=detect_device(env.local_rank()).vendor or "cpu"))
 
 
 def _micro_batches(dataset, micro_batch_size: int) -> Iterator[dict]:
@@ -94,7 +108,8 @@ class _Probe:
                             data_parallel=dist.get_world_size() // tp, micro_batch_size=micro_batch_size,
                             num_layers=num_layers, global_batch_size=micro_batch_size * dist.get_world_size() // tp)
         layered = argparse.Namespace(**{**vars(args), "num_layers": num_layers})
-        self.model = build_model(layered, plan)[1][0]
+        self.config, (self.model,) = build_model(layered, plan)
+        self.plan = plan
         self.batches = batches
         self.marks: dict[str, float] = {}
         self.samples: dict[str, list[float]] = {k: [] for k in (
@@ -112,7 +127,7 @@ class _Probe:
         if output.requires_grad:  # its gradient arriving starts the embedding's backward
             output.register_hook(lambda grad: self._mark("embedding_grad"))
 
-    def step(self, timed: bool) -> None:
+    def step(self, timed: bool, keep_gradients: bool = False) -> None:
         from megatron.hetero.training import forward_step
 
         seen: dict[int, int] = {}
@@ -129,7 +144,8 @@ class _Probe:
         self._mark("middle")
         loss.backward()
         self._mark("end")
-        self.model.zero_grad_buffer()
+        if not keep_gradients:
+            self.model.zero_grad_buffer()
         if timed:
             m = self.marks
             for key, value in (("forward", m["middle"] - m["start"]), ("backward", m["end"] - m["middle"]),
@@ -152,7 +168,7 @@ def _sync() -> None:
 
 
 def _time_depths(args, micro_batch_sizes: list[int], repeats: int, everyone: dist.ProcessGroup,
-                 dataset) -> dict[int, list[dict[str, float]]]:
+                 dataset, time_optimizer: bool = False) -> tuple[dict[int, list[dict[str, float]]], dict | None]:
     """Medians of every PROBE_DEPTHS model's samples (_Probe) at each micro-batch size, at
     least `repeats` each. Every round runs each (size, depth) once, up one round and down the
     next, so a drift of the machine's speed moves all sizes and depths alike: timed size after
@@ -165,7 +181,7 @@ def _time_depths(args, micro_batch_sizes: list[int], repeats: int, everyone: dis
     probes = {mbs: [_Probe(args, n, mbs, _micro_batches(dataset, mbs)) for n in PROBE_DEPTHS]
               for mbs in micro_batch_sizes}
     in_turns = [probe for mbs in micro_batch_sizes for probe in probes[mbs]]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = compute_device()
     all_done = None  # every rank's `repeats` rounds timed
     dist.barrier(group=everyone)
     for repeat in itertools.count():
@@ -180,39 +196,68 @@ def _time_depths(args, micro_batch_sizes: list[int], repeats: int, everyone: dis
             if stop.item():
                 break
     all_done.wait()
-    return {mbs: [probe.medians() for probe in depths] for mbs, depths in probes.items()}
+    step = _time_optimizer_step(args, probes[min(micro_batch_sizes)], repeats) if time_optimizer else None
+    return {mbs: [probe.medians() for probe in depths] for mbs, depths in probes.items()}, step
 
 
-def optimizer_step_per_param(args, repeats: int) -> float:
-    """Seconds per parameter of gradient-norm clipping plus an Adam step (torch's Adam, what
-    megatron-core runs without apex), on a 3-layer model with fp32 master weights."""
-    params = [torch.nn.Parameter(torch.randn(n, device="cuda" if torch.cuda.is_available() else "cpu"))
-              for n in (args.hidden_size * args.hidden_size * 12,) * 3]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
-    times = []
-    for repeat in range(repeats + 1):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        adam.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if repeat:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) / sum(p.numel() for p in params)
+def _time_optimizer_step(args, probes: list[_Probe], repeats: int) -> dict[str, float]:
+    """What an iteration costs a rank beyond its micro-batches and its gradient reduction, as
+    the runtime runs it, on each depth's model: the training loop's all-reduces of the
+    token count and the loss, then megatron-core's optimizer step (get_megatron_optimizer, as
+    pretrain_gpt.py builds it: copy the gradients to the main ones, the gradient norm - its
+    all-reduce over every rank, as the distributed optimizer's spans the job - clip, Adam
+    tensor by tensor, copy back). Every rank of the profile steps at once, right after a
+    micro-batch's forward and backward and a barrier (the gradient reduction meets the ranks
+    there). The step is the non-distributed optimizer's over the whole model: the
+    distributed optimizer does the same work on the rank's 1/DP share and all-gathers the
+    result, which the predictor prices as communication.
+
+    Returns a line through the medians against the rank's parameters: seconds per parameter
+    and fixed seconds (the step's own work beyond its parameters and the collectives)."""
+    from megatron.hetero.training import build_optimizer
+
+    world = dist.group.WORLD
+    stepped = argparse.Namespace(**{**vars(args), "use_distributed_optimizer": False})
+    optimizers = []
+    for probe in probes:
+        optimizer, _ = build_optimizer(stepped, probe.plan, [probe.model], probe.config.params_dtype)
+        # The distributed optimizer's gradient statistics span every rank (megatron-core:
+        # its grad_stats_parallel_group); the non-distributed one's only the model's ranks.
+        optimizer.grad_stats_parallel_group = world
+        optimizers.append(optimizer)
+    scalars = torch.zeros(2, device=compute_device())
+    samples: list[list[float]] = [[] for _ in probes]
+    for repeat in range(repeats + 1):  # one warm-up round
+        order = range(len(probes)) if repeat % 2 == 0 else reversed(range(len(probes)))
+        for i in order:
+            probe, optimizer = probes[i], optimizers[i]
+            probe.step(timed=False, keep_gradients=True)
+            dist.barrier(group=world)
+            _sync()
+            start = time.perf_counter()
+            for _ in range(2):  # the token count (finalize_model_grads) and the loss (the loop)
+                dist.all_reduce(scalars, group=world)
+            optimizer.step()
+            _sync()
+            if repeat:
+                samples[i].append(time.perf_counter() - start)
+            probe.model.zero_grad_buffer()
+            optimizer.zero_grad()
+    params = [sum(p.numel() for p in probe.model.parameters()) for probe in probes]
+    per_param, fixed = numpy.polyfit(params, [statistics.median(t) for t in samples], 1)
+    return {"per_param_s": max(1e-15, per_param), "fixed_s": max(0.0, fixed)}
 
 
 def profile_entries(args, micro_batch_sizes: list[int], repeats: int, everyone: dist.ProcessGroup,
-                    dataset) -> list[dict]:
+                    dataset, time_optimizer: bool = False) -> tuple[list[dict], dict | None]:
     """This rank's profile entries at its tensor-parallel degree, one per micro-batch size:
-    a line through the depths."""
+    a line through the depths; and with time_optimizer the optimizer step's line
+    (_time_optimizer_step)."""
     from megatron.core import parallel_state
 
     entries = []
-    for mbs, depths in _time_depths(args, micro_batch_sizes, repeats, everyone, dataset).items():
+    timed, step = _time_depths(args, micro_batch_sizes, repeats, everyone, dataset, time_optimizer)
+    for mbs, depths in timed.items():
         (layer_f, fixed_f), (layer_b, fixed_b), (layer_s, _) = (
             numpy.polyfit(PROBE_DEPTHS, [d[key] for d in depths], 1) for key in ("forward", "backward", "saved"))
         floor = 1e-7  # noise can make a slope tiny; the schema wants > 0
@@ -230,19 +275,20 @@ def profile_entries(args, micro_batch_sizes: list[int], repeats: int, everyone: 
             # The deepest model's: the closest to a training micro-batch of a whole stage.
             "micro_batch_cv": depths[-1]["cv"],
         })
-    return entries
+    return entries, step
 
 
 def _profile_degree(args, tp: int, micro_batch_sizes: list[int], repeats: int,
-                    everyone: dist.ProcessGroup, dataset) -> list[dict]:
-    """This rank's entries of one tensor-parallel degree (its process groups live for this call)."""
+                    everyone: dist.ProcessGroup, dataset, time_optimizer: bool) -> tuple[list[dict], dict | None]:
+    """This rank's entries of one tensor-parallel degree (its process groups live for this
+    call), and the optimizer step's line where asked."""
     from megatron.core import parallel_state
     from megatron.hetero.training import set_random_seed
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
         set_random_seed(args.seed)  # also seeds the tensor-parallel RNG tracker dropout uses
-        return profile_entries(args, micro_batch_sizes, repeats, everyone, dataset)
+        return profile_entries(args, micro_batch_sizes, repeats, everyone, dataset, time_optimizer)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -290,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     startup.start_megatron_core()
     torch.set_num_threads(env.omp_num_threads() or torch.get_num_threads())
     _init_world()
+    _publish_identity()
     rank, world = dist.get_rank(), dist.get_world_size()
     device_type = _device_type(options.device_type)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -302,11 +349,15 @@ def main(argv: list[str] | None = None) -> int:
                    else [options.micro_batch_sizes])
     results: dict[str, dict[tuple[int, int], list[dict]]] = {}  # device type -> case -> ranks' entries
     number, cases = 0, len(options.tensor_parallel) * len(options.micro_batch_sizes)
+    step = None  # the optimizer step's line, timed once (with the first degree's models)
     for tp in options.tensor_parallel:
         if world % tp:
             raise SystemExit(f"error: --tensor-parallel {tp} does not divide the {world} ranks")
         for sizes in size_groups:
-            for entry in _profile_degree(args, tp, sizes, options.repeats, everyone, dataset):
+            entries, timed_step = _profile_degree(args, tp, sizes, options.repeats, everyone, dataset,
+                                                  time_optimizer=step is None)
+            step = step or timed_step
+            for entry in entries:
                 merged = _gather_case(results, device_type, tp, entry)
                 number += 1
                 if rank == 0:
@@ -314,14 +365,20 @@ def main(argv: list[str] | None = None) -> int:
                           f"layer forward {merged['layer_forward_s'] * 1e3:.2f} ms, backward "
                           f"{merged['layer_backward_s'] * 1e3:.2f} ms, activations "
                           f"{merged['layer_activation_bytes'] / 2**20:.1f} MiB", flush=True)
-    per_param: list = [None] * world
-    dist.all_gather_object(per_param, (device_type, optimizer_step_per_param(args, options.repeats)))
+    steps: list = [None] * world
+    dist.all_gather_object(steps, (device_type, step))
+    if rank == 0:
+        print("[profile] optimizer step per iteration: " + ", ".join(
+            f"{name} {statistics.median(t['fixed_s'] for d, t in steps if d == name) * 1e3:.1f} ms + "
+            f"{statistics.median(t['per_param_s'] for d, t in steps if d == name) * 1e9:.2f} ns per parameter"
+            for name in sorted(results)), flush=True)
     if rank == 0:
         shape = model_shape(model_spec(args))
         for name, by_case in sorted(results.items()):
             profile = {"kind": "compute", "device_type": name, "precision": precision, "model": shape,
                        "entries": [median_entry(entries) for entries in by_case.values()],
-                       "optimizer_step_s_per_param": statistics.median(t for d, t in per_param if d == name),
+                       "optimizer_step_s_per_param": statistics.median(t["per_param_s"] for d, t in steps if d == name),
+                       "optimizer_step_fixed_s": statistics.median(t["fixed_s"] for d, t in steps if d == name),
                        "measured_on": f"{world} concurrent rank(s), {time.strftime('%Y-%m-%d %H:%M')}"}
             ComputeProfile.model_validate(profile)
             path = Path(options.output_dir) / f"compute-{name}.json"

@@ -4,9 +4,11 @@
     python -m tools.emulator --cluster C.yaml -- -m megatron.hetero.profiling.network -o profiles/
 
 For every pair of hosts (and every host with itself, when it runs two ranks or more) the
-ranks of the two hosts pair up and ping-pong at once - the NIC shared as in training - to
-time one device pair's bandwidth (large messages) and latency (small messages). Then an
-all-reduce over every rank is timed at a few sizes. Rank 0 writes links.json.
+ranks of the two hosts pair up and exchange messages at once - the NIC shared as in training - to
+time one device pair's bandwidth (large messages) and latency (a small message each way
+at once, right after computing, as pipeline stages exchange them). Then an all-reduce over
+every rank is timed at a few sizes, in turns, each right after computing as a gradient
+reduction starts. Rank 0 writes links.json.
 A rank's host is --host (the node's name in the cluster spec: `hetero-plan profile --slurm`
 passes each node's Slurm name, which a host name such as node0.example.org is not), else
 HETERO_EMULATED_HOST (set by the emulator), else its hostname.
@@ -29,18 +31,35 @@ from hetero.io import write_json_atomic
 from hetero.spec.profiles import LinkProfile
 
 
-def _ping_pong(peer: int, first: bool, tensor: torch.Tensor, rounds: int) -> float:
-    """Median one-way time of a small `tensor` between this rank and peer."""
+# A pipeline stage computes, then sends its output and receives its next input; so does its
+# neighbour. Timed so - both ranks computing, then one message each way at once - a message
+# between cpu_demo.yaml's emulated devices took 4-8 ms, where a ping-pong between idle ranks
+# took 0.1-0.5 ms: a rank under a CPU quota has used its share of the quota's period when it
+# sends, and the exchange waits for the next. Where no quota throttles the host, the compute
+# changes nothing.
+BUSY_BEFORE_SEND_S = 0.02
+
+
+def _compute_for(seconds: float) -> None:
+    """Keep this rank's processor busy, as a stage's forward or backward does."""
+    work = torch.ones(128, 128)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        work @ work
+
+
+def _latency(peer: int, tensor: torch.Tensor, rounds: int) -> float:
+    """Median time of one small message between this rank and peer, as pipeline stages
+    exchange them: each round both compute for BUSY_BEFORE_SEND_S, then send one to the other
+    and receive the other's at once."""
+    inbox = torch.empty_like(tensor)
     times = []
     for _ in range(rounds + 1):  # one warm-up round
+        _compute_for(BUSY_BEFORE_SEND_S)
         start = time.perf_counter()
-        if first:
-            dist.send(tensor, peer)
-            dist.recv(tensor, peer)
-        else:
-            dist.recv(tensor, peer)
-            dist.send(tensor, peer)
-        times.append((time.perf_counter() - start) / 2)
+        for work in (dist.isend(tensor, peer), dist.irecv(inbox, peer)):
+            work.wait()
+        times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 
@@ -55,6 +74,27 @@ def _stream(peer: int, sender: bool, tensor: torch.Tensor, count: int) -> float:
     return count * tensor.numel() * tensor.element_size() / (time.perf_counter() - start)
 
 
+def _allreduce_times(sizes_mib: list[float], rounds: int) -> dict[float, float]:
+    """Median seconds of an all-reduce over every rank at each size, timed as a gradient
+    reduction meets it: every rank computes for BUSY_BEFORE_SEND_S, then all-reduce (the
+    first message of a rank under a CPU quota waits for its next period, as in training).
+    The sizes take turns, in one order one round and the other the next, so that a drift of
+    the machine's speed moves them alike: timed size after size (and after idle ranks), one
+    busy minute during the 1 MiB all-reduces of an emulated cluster made them take 59 ms
+    where 10-12 ms was usual, and the fit through the sizes charged every reduction 50 ms."""
+    tensors = {mib: torch.ones(int(mib * 2**20) // 4) for mib in sizes_mib}
+    times: dict[float, list[float]] = {mib: [] for mib in sizes_mib}
+    for repeat in range(rounds + 1):  # one warm-up round
+        for mib in sizes_mib if repeat % 2 == 0 else reversed(sizes_mib):
+            dist.barrier()
+            _compute_for(BUSY_BEFORE_SEND_S)
+            start = time.perf_counter()
+            dist.all_reduce(tensors[mib])
+            if repeat:
+                times[mib].append(time.perf_counter() - start)
+    return {mib: statistics.median(t) for mib, t in times.items()}
+
+
 def _pairs(ranks_a: list[int], ranks_b: list[int]) -> list[tuple[int, int]]:
     if ranks_a is ranks_b:  # inside one host: disjoint pairs (0,1), (2,3), ...
         return list(zip(ranks_a[0::2], ranks_a[1::2]))
@@ -67,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output-dir", required=True)
     parser.add_argument("--message-mib", type=float, default=8.0, help="bandwidth message size")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--allreduce-mib", type=float, nargs="+", default=[1.0, 16.0])
+    parser.add_argument("--allreduce-mib", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     parser.add_argument("--host", default=None,
                         help="this node's name in the cluster spec (default: HETERO_EMULATED_HOST, else the "
                              "host name)")
@@ -93,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         if mine:
             peer = mine[1] if rank == mine[0] else mine[0]
-            latency = _ping_pong(peer, rank == mine[0], small, options.rounds * 4)
+            latency = _latency(peer, small, options.rounds * 4)
             _stream(peer, rank == mine[0], big, 1)  # warm-up
         dist.barrier()  # every pair starts streaming together
         if mine:
@@ -108,20 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[links {number}/{len(combos)}] {a} <-> {b}: {len(pairs)} pair(s) at once, "
                   f"{bandwidth / 1e6:.1f} MB/s per pair, latency {latency * 1e6:.0f} us", flush=True)
     collectives = []
-    for mib in options.allreduce_mib:
-        tensor = torch.ones(int(mib * 2**20) // 4)
-        times = []
-        for _ in range(options.rounds + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times[1:])
-        collectives.append({"op": "allreduce", "hosts": hosts, "bytes": tensor.numel() * 4, "seconds": seconds})
+    for mib, seconds in _allreduce_times(options.allreduce_mib, options.rounds * 3).items():
+        size = int(mib * 2**20) // 4 * 4
+        collectives.append({"op": "allreduce", "hosts": hosts, "bytes": size, "seconds": seconds})
         if rank == 0:
             print(f"[allreduce] {world} ranks, {mib:g} MiB: {seconds * 1e3:.1f} ms "
-                  f"(bus bandwidth {2 * (world - 1) / world * tensor.numel() * 4 / seconds / 1e6:.1f} MB/s)",
-                  flush=True)
+                  f"(bus bandwidth {2 * (world - 1) / world * size / seconds / 1e6:.1f} MB/s)", flush=True)
     if rank == 0:
         profile = {"kind": "links", "links": links, "collectives": collectives,
                    "measured_on": f"{world} ranks on {len(names)} hosts, {time.strftime('%Y-%m-%d %H:%M')}"}

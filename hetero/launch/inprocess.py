@@ -1,0 +1,107 @@
+"""In-process restart: how a supervisor tells a running job's processes to carry on under a
+new plan, without restarting them.
+
+A job started with ``--inprocess-restart`` keeps its state in memory (snapshots, replicated
+to peers on other nodes). When a node is lost, the surviving processes stop at the failed
+iteration and wait; when a node comes back, every process finishes its iteration and waits.
+The supervisor (the elastic runner, the emulator's ``--elastic``, the Slurm driver) plans the
+job again for the nodes it has, hosts a fresh rendezvous store, and writes a ``Rejoin`` into
+the job's control directory (``HETERO_CONTROL_DIR``): the new plan, the store's address, and
+each process's new launch rank by where it runs (host and local rank). Processes not named
+there leave; new processes of a returned node start with ``HETERO_REJOIN`` set and join.
+Each process then rebuilds its process groups and its stage of the new plan in place and
+restores its state from the survivors' snapshots (megatron/hetero/restart.py).
+
+The control directory holds, per epoch (each re-plan of the job counts one up):
+``epoch-N/rejoin.json`` (written by the supervisor, atomically) and ``epoch-N/ready/*.json``
+(one per process that reached the point where it waits: its place and newest snapshot).
+Torch-free: the supervisors import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hetero.errors import HeteroError
+from hetero.io import write_json_atomic
+
+CONTROL_DIR = "HETERO_CONTROL_DIR"
+"""The job's control directory (set by the supervisor for every process of the job)."""
+REJOIN = "HETERO_REJOIN"
+"""Set to an epoch for the processes of a returned node: they join that epoch's plan."""
+
+
+def place(host: str, local_rank: int) -> str:
+    """A process's place in the cluster: its host and its local rank there."""
+    return f"{host}:{local_rank}"
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """What every process of the job does next (module docstring)."""
+
+    epoch: int
+    plan: str
+    """The plan to carry on under (a path every process can read)."""
+    store_host: str
+    store_port: int
+    ranks: dict[str, int]
+    """place(host, local rank) -> launch rank under the new plan; a process not named leaves."""
+    after_iteration: int | None = None
+    """A planned re-plan (a node returned): switch after this iteration; None: after a loss,
+    from the newest snapshot the survivors hold."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def save(self, control_dir: str | os.PathLike) -> Path:
+        path = Path(control_dir) / f"epoch-{self.epoch}" / "rejoin.json"
+        write_json_atomic(path, asdict(self))
+        return path
+
+    @classmethod
+    def load(cls, control_dir: str | os.PathLike, epoch: int) -> "Rejoin | None":
+        path = Path(control_dir) / f"epoch-{epoch}" / "rejoin.json"
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as err:
+            raise HeteroError(f"{path}: not a readable re-plan of the job ({err})") from None
+
+
+def report_ready(control_dir: str | os.PathLike, epoch: int, where: str, facts: dict) -> None:
+    """A process waits for epoch's Rejoin: its place and what it holds (snapshot iteration)."""
+    write_json_atomic(Path(control_dir) / f"epoch-{epoch}" / "ready" / f"{where.replace(':', '-')}.json",
+                      {"place": where, "pid": os.getpid(), **facts})
+
+
+def ready(control_dir: str | os.PathLike, epoch: int) -> list[dict]:
+    """The processes waiting for epoch's Rejoin."""
+    folder = Path(control_dir) / f"epoch-{epoch}" / "ready"
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being written: seen at the next look
+    return found
+
+
+def wait_for_rejoin(control_dir: str | os.PathLike, epoch: int, timeout_s: float, poll_s: float = 0.05) -> Rejoin:
+    """Waits for the supervisor's Rejoin of ``epoch``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rejoin = Rejoin.load(control_dir, epoch)
+        if rejoin is not None:
+            return rejoin
+        if time.monotonic() > deadline:
+            raise HeteroError(f"no re-plan of the job arrived in {control_dir} within {timeout_s:.0f} s "
+                              f"(epoch {epoch}); is the job's supervisor running? Resume from the last "
+                              "checkpoint with --load")
+        time.sleep(poll_s)

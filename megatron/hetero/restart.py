@@ -1,0 +1,219 @@
+"""In-process restart (--inprocess-restart): the state in memory, and a lost node survived
+without restarting a process.
+
+Every --non-persistent-save-interval iterations (default 1) each rank snapshots its model,
+optimizer and scheduler state into host memory and sends a copy to ranks on other nodes
+(``--hetero-snapshot-replicas``, default 1; snapshots.py). When a node is lost, the survivors'
+collectives fail; each survivor records where it stands (hetero/launch/inprocess.py:
+``report_ready``) and waits for the job's supervisor to re-plan for the nodes left
+(``Rejoin``). Then, in the same process: the process groups and megatron-core's parallel
+state are torn down, the flags and the new plan are checked as at start-up, the groups and
+this rank's stage of the new plan are built, and the state is restored from the snapshots the
+survivors hold, re-sharded to the new layout (no file read). Training goes on from the
+snapshot's iteration. When some shard's every copy was on lost nodes, the job falls back to
+the last disk checkpoint and says so. A node that comes back is taken in the same way at an
+iteration boundary: every rank takes a snapshot there and re-plans in place with the
+returned node's new processes, which receive their state from the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetero import env, events
+from hetero.errors import HeteroError
+from hetero.launch.inprocess import CONTROL_DIR, REJOIN, Rejoin, place, report_ready, wait_for_rejoin
+from hetero.plan import Plan
+from megatron.hetero import snapshots
+from megatron.hetero.log import print_rank_0
+from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
+
+
+@dataclass
+class Outcome:
+    """How a run of the training loop ended: done, or to carry on under ``rejoin``."""
+
+    rejoin: Rejoin | None = None
+    lost: bool = False
+
+
+class InProcessRestart:
+    """One process's side of in-process restart (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, control_dir: str) -> None:
+        self.args = args
+        self.control_dir = control_dir
+        self.epoch = int(os.environ.get(REJOIN, "0"))
+        self.interval = args.non_persistent_save_interval or 1
+        self.replicas = args.hetero_snapshot_replicas
+        self.store = SnapshotStore()
+        self.snapshot_seconds: list[float] = []
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "InProcessRestart | None":
+        if not args.inprocess_restart:
+            return None
+        control_dir = env.get(CONTROL_DIR)
+        if not control_dir:
+            raise HeteroError(f"--inprocess-restart needs a supervisor that re-plans the job ({CONTROL_DIR} "
+                              "unset): start the job with the emulator's --elastic, hetero-launch --slurm or "
+                              "the elastic runner, or drop --inprocess-restart")
+        return cls(args, control_dir)
+
+    @property
+    def joining(self) -> bool:
+        """This process belongs to a returned node: it joins a running job."""
+        return REJOIN in os.environ and not self.store.held()
+
+    # ----- snapshots ------------------------------------------------------------------
+
+    def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
+        if iteration % self.interval == 0:
+            self.snapshot(iteration, model, optimizer, scheduler, plan)
+
+    def snapshot(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
+        """This rank's state into host memory, and a copy to ranks on other nodes."""
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from megatron.hetero.checkpointing import state_for_memory
+
+        start = time.perf_counter()
+        sharded, common = save_preprocess(state_for_memory(model, optimizer, scheduler, self.args, loading=False),
+                                          validate_access_integrity=False)
+        self.store.add(snapshots.take(sharded, common, iteration))
+        send_to, receive_from = buddies(plan, dist.get_rank(), self.replicas)
+        self.store.replicate(send_to, receive_from)
+        self.snapshot_seconds.append(time.perf_counter() - start)
+
+    def restore(self, model, optimizer, scheduler) -> int:
+        """Every rank's state from the snapshots the ranks hold (collective); returns the
+        iteration restored, or raises LostState (every rank alike)."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
+        from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+        from megatron.hetero.checkpointing import apply_loaded, state_for_memory
+
+        sharded, nonpersistent, factories = load_preprocess(
+            state_for_memory(model, optimizer, scheduler, self.args, loading=True))
+        sharded, _ = extract_sharded_base(sharded)
+        wanted = [t for t in nested_values(sharded) if isinstance(t, ShardedTensor)]
+        targets = {box_of(t): torch.empty(tuple(t.local_shape), dtype=t.dtype) for t in wanted}
+        iteration, common = snapshots.restore(self.store, targets)
+        device = _device_of(model)
+
+        def filled(value):
+            if not isinstance(value, ShardedTensor):
+                return value
+            tensor = targets[box_of(value)]
+            return tensor.reshape(value.data.shape if value.data is not None else tensor.shape).to(device)
+
+        dict_list_map_inplace(filled, sharded)
+        loaded = copy.deepcopy(common)  # the holder's own stays as taken
+        merge(loaded, nonpersistent)
+        merge(loaded, sharded)
+        loaded = apply_factory_merges(loaded, factories)
+        apply_loaded(loaded, model, optimizer, scheduler)
+        return iteration
+
+    # ----- re-plans ---------------------------------------------------------------------
+
+    def planned_rejoin(self) -> Rejoin | None:
+        """A re-plan the supervisor wrote while the job runs (a node came back), agreed by
+        every rank at this iteration boundary (one scalar all-reduce)."""
+        rejoin = Rejoin.load(self.control_dir, self.epoch + 1)
+        seen = torch.tensor([1 if rejoin is not None else 0], dtype=torch.int32, device=_compute_device())
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # every rank must see it: a file may lag
+        return rejoin if seen.item() else None
+
+    def after_loss(self, plan: Plan, launch_rank: int, where: str, timeout_s: float) -> Rejoin:
+        """A node was lost: say where this process stands, wait for the supervisor's re-plan."""
+        newest = self.store.newest
+        report_ready(self.control_dir, self.epoch + 1, where, {"snapshot_iteration": newest})
+        print(f"[{where}] in-process restart: a node of the job was lost; waiting for the job's re-plan "
+              f"(epoch {self.epoch + 1}), newest snapshot of iteration {newest}", flush=True)
+        return wait_for_rejoin(self.control_dir, self.epoch + 1, timeout_s)
+
+
+def buddies(plan: Plan, logical_rank: int, replicas: int) -> tuple[list[int], list[int]]:
+    """(ranks this rank sends its snapshot to, ranks it keeps copies for): the rank at the same
+    place on each of the next ``replicas`` hosts in launch order (fewer with fewer hosts)."""
+    hosts = [host for host, _ in plan.hosts()]
+    on_host: dict[str, list[int]] = {host: [] for host in hosts}
+    for rank in range(plan.world_size):
+        on_host[plan.device_of_logical(rank).host].append(rank)
+
+    def targets(rank: int) -> list[int]:
+        host = plan.device_of_logical(rank).host
+        index, position = hosts.index(host), on_host[host].index(rank)
+        chosen = []
+        for step in range(1, min(replicas, len(hosts) - 1) + 1):
+            other = on_host[hosts[(index + step) % len(hosts)]]
+            chosen.append(other[position % len(other)])
+        return chosen
+
+    return targets(logical_rank), [r for r in range(plan.world_size) if logical_rank in targets(r)]
+
+
+def _compute_device():
+    from megatron.hetero.identity import compute_device
+
+    return compute_device()
+
+
+def _device_of(model) -> torch.device:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return next(chunks[0].parameters()).device
+
+
+def teardown() -> None:
+    """Everything one plan built in this process, undone: megatron-core's parallel state and
+    RNG tracker, every process group, the plan's grid and reductions, this rank's identity."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron.hetero import distributed, stage_tensor_parallel, template_reduction
+    from megatron.hetero.identity import set_this_rank
+
+    stage_tensor_parallel.use_plan_grid(None)
+    template_reduction.forget()
+    set_this_rank(None)
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    distributed.forget_rendezvous()
+    get_cuda_rng_tracker().reset()
+    gc.collect()
+
+
+def launch_environment(rejoin: Rejoin, where: str) -> dict | None:
+    """The torchrun-style variables of the process at ``where`` under ``rejoin`` (None: it
+    leaves the job). The new launch rank 0 hosts the rendezvous store."""
+    if where not in rejoin.ranks:
+        return None
+    rank = rejoin.ranks[where]
+    host = where.rsplit(":", 1)[0]
+    local = sorted(r for p, r in rejoin.ranks.items() if p.rsplit(":", 1)[0] == host)
+    return {env.RANK: str(rank), env.WORLD_SIZE: str(rejoin.world_size), env.LOCAL_RANK: str(local.index(rank)),
+            env.LOCAL_WORLD_SIZE: str(len(local)), env.MASTER_ADDR: rejoin.store_host,
+            env.MASTER_PORT: str(rejoin.store_port),
+            # torchrun's agent hosted the first store; the new one is hosted by the new rank 0
+            "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def said_lost_state(err: LostState, fallback: str | None) -> None:
+    """The disk-checkpoint fallback, in the log and as an event the supervisor records."""
+    print_rank_0(f"> in-process restart: {err}; falling back to the last disk checkpoint"
+                 + (f" in {fallback}" if fallback else " (none: training starts over)"))
+    if dist.get_rank() == 0:
+        events.emit(events.Stopped(launch_rank=0, cause=f"snapshots lost: {err}; disk checkpoint {fallback}"))
+
+
+__all__ = ["InProcessRestart", "Outcome", "buddies", "launch_environment", "said_lost_state", "teardown"]
