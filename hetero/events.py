@@ -119,6 +119,20 @@ class CheckpointLoaded(Event):
     directory: str
 
 
+class StateRestored(Event):
+    """After an in-process restart (a re-plan of the running job): where the state came
+    from - ``memory`` (the survivors' snapshots, no file read), ``disk`` (every copy of some
+    shard was on lost nodes: the last checkpoint) or ``none`` (no checkpoint either: from
+    the start) - and of which iteration."""
+
+    kind: Literal["state_restored"] = "state_restored"
+    epoch: int
+    iteration: int
+    source: Literal["memory", "disk", "none"]
+    seconds: float
+    detail: str = ""
+
+
 class LostRank(BaseModel):
     """A process of the job found gone (or frozen) by another."""
 

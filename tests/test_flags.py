@@ -107,7 +107,8 @@ def test_honoured_defaults_are_megatrons_or_documented():
 
 def test_catalog_themes_are_all_used():
     used = {r.theme for r in _of(flags.Status.REFUSED)}
-    assert set(catalog.THEMES) <= used
+    later_tags_only = {"unreviewed"}  # no flag of the reference tag is left without a ruling
+    assert set(catalog.THEMES) - later_tags_only <= used
 
 
 # ---- refused, by name ------------------------------------------------------------------

@@ -13,12 +13,18 @@ survivors with the new plan and ``--load DIR``: the last complete checkpoint re-
 onto the new layout. Any other failure (bad input, a crash on every node) ends the run
 with its exit code, as does running out of --max-restarts.
 
+With ``--inprocess-restart`` among the training flags the survivors are not restarted: they
+wait in their processes while the supervisor re-plans, then rebuild their groups and stage
+and restore the state from the snapshots they hold in memory (hetero.launch.recovery; no
+--save needed, and no file read). A restart from the last checkpoint remains the fallback.
+
 Nodes that come back are not taken in while the job runs; restart the supervisor with
 the full cluster's plan to use them again.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -42,8 +48,11 @@ class AttemptResult:
 
 
 class NodeRunner(Protocol):
-    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int) -> AttemptResult:
-        """Runs every node of the plan and waits for the job to end."""
+    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int,
+            supervisor: Callable | None = None) -> AttemptResult:
+        """Runs every node of the plan and waits for the job to end. supervisor (in-process
+        restart): called with the nodes' address lookup, it returns the InProcessSupervisor
+        that the runner calls when nodes are lost and asks whether the job is done."""
 
 
 def lost_hosts(result: AttemptResult, plan: Plan) -> set[str]:
@@ -130,15 +139,33 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 
 def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, run_dir: Path,
                 max_restarts: int = 3, log: Callable[[str], None] = print) -> int:
-    """Runs the job, re-planning after every lost node; returns the final exit code."""
+    """Runs the job, re-planning after every lost node; returns the final exit code. With
+    --inprocess-restart among the training flags the survivors carry on in their processes
+    (hetero.launch.recovery); a restart from the last checkpoint is the fallback."""
+    from hetero.launch.recovery import InProcessSupervisor
+
     plan = Plan.load(plan_path)
-    with_load(train_args)  # checks --save before anything starts
+    in_process = "--inprocess-restart" in train_args
+    if not in_process:
+        with_load(train_args)  # checks --save before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     args = list(train_args)
     for attempt in range(max_restarts + 1):
         log(f"elastic: attempt {attempt} on {len(plan.hosts())} nodes "
-            f"({', '.join(h for h, _ in plan.hosts())}), plan {plan_path}")
-        result = runner.run(plan, plan_path, args, attempt)
+            f"({', '.join(h for h, _ in plan.hosts())}), plan {plan_path}"
+            + (" (in-process restart after a lost node)" if in_process else ""))
+        supervisors: list[InProcessSupervisor] = []
+
+        def supervisor(address_of: Callable[[str], str], plan: Plan = plan,
+                       attempt: int = attempt) -> InProcessSupervisor:
+            control = run_dir / f"attempt-{attempt}-control"
+            shutil.rmtree(control, ignore_errors=True)
+            supervisors.append(InProcessSupervisor(control, plan, run_dir, address_of, log))
+            return supervisors[-1]
+
+        result = runner.run(plan, plan_path, args, attempt, supervisor=supervisor if in_process else None)
+        if supervisors and supervisors[0].epoch:  # the plan the job ended under
+            plan = supervisors[0].plan
         if result.returncode == 0:
             log(f"elastic: the job finished (attempt {attempt})")
             return 0
@@ -149,6 +176,10 @@ def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, r
             return result.returncode
         if attempt == max_restarts:
             log(f"elastic: lost {', '.join(sorted(lost))}, and all {max_restarts} restarts are used")
+            return result.returncode
+        if in_process and _flag_value(list(train_args), "--save") is None:
+            log(f"elastic: lost {', '.join(sorted(lost))}; the job could not go on in its processes and has "
+                "no --save DIR to restart from")
             return result.returncode
         new_plan = replan(plan, lost)
         plan_path = str(run_dir / f"plan-{attempt + 1}.json")

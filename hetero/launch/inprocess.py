@@ -81,6 +81,20 @@ def report_ready(control_dir: str | os.PathLike, epoch: int, where: str, facts: 
                       {"place": where, "pid": os.getpid(), **facts})
 
 
+def report_finished(control_dir: str | os.PathLike, epoch: int, where: str) -> None:
+    """A process finished training under epoch's plan (torchrun's agent may then wait for
+    agents that are gone: the supervisor ends it)."""
+    write_json_atomic(Path(control_dir) / f"epoch-{epoch}" / "finished" / f"{where.replace(':', '-')}.json",
+                      {"place": where, "pid": os.getpid()})
+
+
+def finished(control_dir: str | os.PathLike, epoch: int) -> set[str]:
+    """The places that finished training under epoch's plan."""
+    folder = Path(control_dir) / f"epoch-{epoch}" / "finished"
+    return {path.stem.rsplit("-", 1)[0] + ":" + path.stem.rsplit("-", 1)[1]
+            for path in folder.glob("*.json")} if folder.is_dir() else set()
+
+
 def ready(control_dir: str | os.PathLike, epoch: int) -> list[dict]:
     """The processes waiting for epoch's Rejoin."""
     folder = Path(control_dir) / f"epoch-{epoch}" / "ready"

@@ -23,13 +23,14 @@ from typing import Any, Iterable, Sequence
 
 from hetero.errors import HeteroError
 from hetero.pipeline_layout import SplitFlags
+from hetero.spec.megatron_tags import facts_file
 from hetero.spec.model import ModelSpec
 from hetero.spec.recompute import selective as selective_recompute
 
-FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.json")
 
 # Flags pretrain_gpt.py of Megatron-Hetero adds to Megatron-LM's: option -> number of values.
 HETERO_FLAGS = {"--hetero-plan": 1, "--hetero-adapt": 0, "--hetero-adapt-output": 1, "--hetero-snapshot-replicas": 1,
+                "--hetero-allow-untested-megatron-core": 0,
                 "--local_rank": 1}
 
 _VALUE_TYPES = {"int": int, "float": float}
@@ -49,7 +50,7 @@ class _Flag:
 @functools.cache
 def megatron_flag_table() -> dict[str, _Flag]:
     """Every option string of Megatron-LM's pretrain_gpt.py -> its argparse facts."""
-    document = json.loads(FLAGS_FILE.read_text())
+    document = json.loads(facts_file().read_text())  # the installed megatron-core's tag
     table = {}
     for entry in document["flags"]:
         flag = _Flag(entry["dest"], entry["action"], entry["nargs"], entry["type"],

@@ -26,6 +26,7 @@ from hetero.spec.model import ModelSpec
 from hetero.plan import Plan
 from hetero.runtime_rules import model_problems, precision_problems
 from megatron.hetero import flags
+from megatron.hetero.flags.later_tags import fill_reference_dests
 from megatron.hetero.problems import Problems
 
 # Megatron-LM flags that only choose fused kernels: speed, not the model. On GPUs they keep
@@ -281,11 +282,11 @@ def _validate_profiling(args: argparse.Namespace) -> None:
         if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
             raise HeteroError(f"--profile-step-start {args.profile_step_start} and --profile-step-end "
                               f"{args.profile_step_end}: the window needs 0 <= start < end")
-        if args.use_pytorch_profiler and args.tensorboard_dir is None:
+        if args.use_pytorch_profiler and args.tensorboard_dir is None and not getattr(args, "profile_trace_dir", None):
             raise HeteroError("--profile --use-pytorch-profiler writes its trace to --tensorboard-dir "
                               "(as Megatron-LM); give --tensorboard-dir DIR")
-    if not (args.record_memory_history or args.log_device_memory_used
-            or (args.profile and not args.use_pytorch_profiler)):
+    # --profile without --use-pytorch-profiler runs torch.profiler on the CPU (substitute_gpu_choices).
+    if not (args.record_memory_history or args.log_device_memory_used):
         return
     import torch  # only for these flags: the rest of the validation needs no torch
 
@@ -294,12 +295,8 @@ def _validate_profiling(args: argparse.Namespace) -> None:
     if args.log_device_memory_used:
         raise HeteroError("--log-device-memory-used reports the GPU's memory in use (NVML), which needs "
                           "a GPU; remove it on the CPU (the memory line gives this process's memory)")
-    if args.record_memory_history:
-        raise HeteroError("--record-memory-history records the CUDA caching allocator's history, "
-                          "which needs a GPU; remove it on the CPU")
-    raise HeteroError("--profile without --use-pytorch-profiler drives an nsys capture through CUDA's "
-                      "profiler API, which needs a GPU; add --use-pytorch-profiler (torch.profiler runs "
-                      "on the CPU)")
+    raise HeteroError("--record-memory-history records the CUDA caching allocator's history, "
+                      "which needs a GPU; remove it on the CPU")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -608,6 +605,10 @@ def _add_hetero_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hetero-adapt-output", default=None, metavar="PATH",
                    help="where --hetero-adapt writes the corrected plan (default: "
                         "adapted_plan.json in --save, else in the working directory)")
+    g.add_argument("--hetero-allow-untested-megatron-core", action="store_true",
+                   help="run on a megatron-core release Megatron-Hetero is not tested with, with "
+                        "a warning (as HETERO_ALLOW_UNTESTED_MEGATRON_CORE=1; the tested releases: "
+                        "python -m megatron.hetero.patches)")
 
 
 def _add_performance_args(parser: argparse.ArgumentParser) -> None:
@@ -696,6 +697,7 @@ def parse_args(argv: Sequence[str], refusals: list[HeteroError] | None = None) -
     except argparse.ArgumentError as err:
         raise HeteroError(f"{err}; `pretrain_gpt.py --help-all` lists every flag's values") from None
     args.noop_flags = []
+    fill_reference_dests(args)  # under a later Megatron-LM tag: the dests it removed or renamed
     _resolve_aliases(args)
     try:
         flags.judge(parser, args, unknown)

@@ -42,12 +42,13 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 from megatron.core.transformer.module import param_is_not_shared
-from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.hetero import adapt, data, distributed, startup, template_reduction
 from megatron.hetero.arguments import config_from_flags
 from megatron.core.timers import Timers
 from megatron.hetero.cpu_device import substitution_note
 from megatron.hetero.batch_schedule import BatchSchedule
+from megatron.hetero.core_compat import batch_on_this_cp_rank
+from megatron.hetero.core_version import installed_megatron_core
 from megatron.hetero.checkpointing import (
     finalize_pending_saves,
     floating_point_operations_so_far,
@@ -83,7 +84,7 @@ from megatron.hetero.tracing import BUSY, TRACE
 from megatron.hetero.watchdog import Watchdog
 from megatron.hetero.restart import InProcessRestart, Outcome, launch_environment, said_lost_state, teardown
 from megatron.hetero.snapshots import LostState
-from hetero.launch.inprocess import Rejoin, place, wait_for_rejoin
+from hetero.launch.inprocess import report_finished, Rejoin, place, wait_for_rejoin
 
 
 def rank_seed(seed: int, pp_rank: int, dp_rank: int, data_parallel_random_init: bool = False) -> int:
@@ -114,7 +115,7 @@ def get_batch(data_iterator: Iterator[dict] | None):
     batch = {k: v.to(this_rank().device, non_blocking=True) for k, v in batch.items() if v is not None}
     # Context parallelism: this rank's two load-balanced chunks of every sequence (the
     # attention mask keeps all its columns: context_parallel.py), as Megatron-LM's get_batch.
-    batch = get_batch_on_this_cp_rank(batch)
+    batch = batch_on_this_cp_rank(batch)
     return (
         batch["tokens"],
         batch["labels"],
@@ -203,7 +204,8 @@ class ProfilingWindow:
             self.profiler = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
                                                  active=end - start, repeat=1),
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                    getattr(args, "profile_trace_dir", None) or args.tensorboard_dir),
                 record_shapes=True, with_stack=True)
             self.profiler.start()
 
@@ -840,7 +842,7 @@ def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, 
                      "in the plan's proportions (largest remainder):")
         for line in schedule.describe():
             print_rank_0(line)
-    print_rank_0(f"> megatron-core patches applied: {', '.join(patches) or 'none'}")
+    print_rank_0(f"> megatron-core {installed_megatron_core()} patches applied: {', '.join(patches) or 'none'}")
     for note in getattr(args, "noop_flags", ()):  # said once, as Megatron-LM's own warnings
         print_rank_0(f"> {note}")
     for note in args.startup_notes:
@@ -871,7 +873,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     groups, model, optimizer) built in this process, its state restored from memory."""
     start_time = time.time()  # --exit-duration-in-mins counts from here, as in Megatron-LM
     data.check_data_paths(args)
-    patches = startup.start_megatron_core()
+    patches = startup.start_megatron_core(args.hetero_allow_untested_megatron_core)
     restart = InProcessRestart.of(args)
     rejoin = None
     if restart is not None and restart.joining:  # a returned node's process: the job restores it
@@ -897,15 +899,17 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
             if restart is None or not watchdog.recovering:
                 raise  # no process was lost: keep the real error and its traceback
             outcome = Outcome(lost=True)
+        where = place(plan.devices[launch.rank].host,
+                      [r for r, d in enumerate(plan.devices) if d.host == plan.devices[launch.rank].host].index(launch.rank))
         if outcome.rejoin is None and not outcome.lost:
             watchdog.finish()
             torch.distributed.destroy_process_group()
+            if restart is not None:
+                report_finished(restart.control_dir, restart.epoch, where)
             return
         watchdog.stop()
         if outcome.lost:
             watchdog.publish_recovering()
-        where = place(plan.devices[launch.rank].host,
-                      [r for r, d in enumerate(plan.devices) if d.host == plan.devices[launch.rank].host].index(launch.rank))
         if not outcome.lost:
             finalize_pending_saves()  # (after a loss a save in flight cannot finish: it stays incomplete)
         teardown()  # closes this rank's connections: peers still waiting on it fail and follow
@@ -1033,14 +1037,19 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
         started = time.perf_counter()
         try:
             start_iteration = restart.restore(model_chunks, optimizer, scheduler)
+            source, detail = "memory", ""
             print_rank_0(f"> in-process restart: state of iteration {start_iteration} restored from memory "
                          f"under the new plan in {time.perf_counter() - started:.2f} s (no file read)")
         except LostState as err:
             fallback = checkpoint_to_load(args) or (args.save if args.save and latest_iteration(args.save) else None)
             said_lost_state(err, fallback)
             restart.store.clear()  # of another course of training than the one resumed
+            source, detail = ("disk", f"{err}; loaded {fallback}") if fallback else ("none", str(err))
             if fallback:
                 start_iteration, _ = load_checkpoint(fallback, model_chunks, optimizer, scheduler, args)
+        if torch.distributed.get_rank() == 0:
+            events.emit(events.StateRestored(epoch=restart.epoch, iteration=start_iteration, source=source,
+                                             seconds=time.perf_counter() - started, detail=detail))
     elif load_dir:
         start_iteration, _ = load_checkpoint(load_dir, model_chunks, optimizer, scheduler, args)
     if args.ckpt_convert_format is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from hetero import env as hetero_env, events
 from hetero.events import Event
+from hetero.launch.inprocess import CONTROL_DIR
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.plan import Plan
@@ -223,12 +224,18 @@ class EmulatedCluster:
 
     def run(self, argv: list[str], *, timeout: float = 1800, echo: bool = True,
             env: dict | None = None, master_port: int | None = None,
-            events_dir: str | os.PathLike | None = None) -> JobResult:
+            events_dir: str | os.PathLike | None = None,
+            supervisor=None) -> JobResult:
         """Runs `python ARGV...` as every rank (ARGV[0] a script) and waits for all nodes.
 
         The job records its events (hetero.events) in events_dir, which it must find empty
         (events already there would be read as this run's), or else in a temporary
-        directory; either way they come back in the result's ``events``."""
+        directory; either way they come back in the result's ``events``.
+
+        In-process restart: ``supervisor`` (hetero.launch.recovery.InProcessSupervisor) is
+        told when nodes' launchers die of a signal (``recover``); when it answers True the job
+        goes on without them (their exit is no failure). Once it says every process finished
+        training (``done``), the launchers left waiting for lost peers' launchers are ended."""
         master_port = master_port or 20000 + self.run_id % 20000
         result, procs, lock = JobResult(0), [], threading.Lock()
         self.current = result
@@ -248,7 +255,12 @@ class EmulatedCluster:
                         sys.stdout.flush()
 
         readers = []
+        handed_over: set[int] = set()  # launchers of nodes the job went on without, or left waiting
         try:
+            on_lost = supervisor.recover if supervisor is not None else None
+            done = supervisor.done if supervisor is not None else None
+            if supervisor is not None:
+                supervisor.lost_now = lambda: self._killed_hosts(procs)
             for node_rank in range(len(self.layout.hosts)):
                 command, node_env = self.node_command(node_rank, argv, master_port)
                 proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **node_env, **job_env},
@@ -261,13 +273,31 @@ class EmulatedCluster:
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > deadline:
                     raise HeteroError(f"emulated job ran past {timeout:.0f} s")
-                if any(p.poll() not in (None, 0) for p in procs):
-                    result.killed_hosts = self._killed_hosts(procs)
+                failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in handed_over]
+                killed = {i for i in failed if procs[i].returncode < 0}
+                if failed and on_lost is not None and set(failed) == killed and \
+                        on_lost({self.layout.hosts[i][0] for i in killed}):
+                    handed_over |= killed
+                    result.killed_hosts |= {self.layout.hosts[i][0] for i in killed}
+                    continue
+                if failed:
+                    result.killed_hosts |= self._killed_hosts(procs)
                     time.sleep(5)  # let the others report why, then stop them
+                    break
+                if done is not None and done():
+                    # torchrun's agents wait (minutes) in their exit barrier for lost agents
+                    for _ in range(40):
+                        if all(p.poll() is not None for p in procs):
+                            break
+                        time.sleep(0.05)
+                    kill_trees([p.pid for i, p in enumerate(procs) if p.poll() is None])
+                    for proc in procs:
+                        proc.wait()
+                    handed_over |= {i for i, p in enumerate(procs) if p.returncode != 0}
                     break
                 time.sleep(0.05)
             else:
-                result.killed_hosts = self._killed_hosts(procs)
+                result.killed_hosts |= self._killed_hosts(procs)
         finally:
             with signals_held():
                 kill_trees([p.pid for p in procs if p.poll() is None])
@@ -280,12 +310,16 @@ class EmulatedCluster:
             finally:
                 if own_events:
                     shutil.rmtree(events_dir, ignore_errors=True)
-        result.returncode = next((p.returncode for p in procs if p.returncode not in (0, None)), 0)
+        result.returncode = next((p.returncode for i, p in enumerate(procs)
+                                  if p.returncode not in (0, None) and i not in handed_over), 0)
         if any(p.returncode is None for p in procs):
             result.returncode = result.returncode or 1
         result.seconds = time.monotonic() - start
         return result
 
+    def address_of(self, host: str) -> str:
+        """The address a node's processes listen on (its namespace's, or this machine's)."""
+        return self._network.node(host).address if self._network else "127.0.0.1"
 
     def _killed_hosts(self, procs: list[subprocess.Popen]) -> set[str]:
         return {host for (host, _), proc in zip(self.layout.hosts, procs)
@@ -313,16 +347,21 @@ class ElasticRunner:
         directory.mkdir(parents=True)
         return directory
 
-    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int):
+    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int, supervisor=None):
+        """supervisor: a hetero.launch.recovery.InProcessSupervisor factory (address_of ->
+        supervisor) for jobs that restart in-process, else None."""
         from hetero.launch.elastic import AttemptResult
 
         emulated = EmulatedCluster(self.cluster, RankLayout.of_plan(plan), shaped=self.shaped,
                                    reference_tflops=self.reference_tflops)
         with emulated:
+            watching = supervisor(emulated.address_of) if supervisor is not None else None
             result = emulated.run(["pretrain_gpt.py", "--hetero-plan", plan_path, *train_args],
                                   timeout=self.timeout, echo=self.echo,
                                   master_port=20000 + (emulated.run_id + 7 * attempt) % 20000,
-                                  events_dir=self.events_dir(attempt))
+                                  events_dir=self.events_dir(attempt),
+                                  env={CONTROL_DIR: str(watching.control_dir)} if watching else None,
+                                  supervisor=watching)
         return AttemptResult(result.returncode, result.killed_hosts, result.lines, result.events)
 
 

@@ -1,0 +1,118 @@
+"""The supervisor's side of in-process restart: a lost node re-planned while the survivors
+wait in their processes (hetero/launch/inprocess.py has the protocol, megatron/hetero/
+restart.py the processes' side).
+
+    supervisor = InProcessSupervisor(control_dir, plan, run_dir, address_of)
+    supervisor.recover({"node-slow"})   # a node's launcher died: True when the job goes on
+    supervisor.done()                   # every process of the current plan finished
+
+After a loss the survivors stop at the failed iteration and say so in the control
+directory; the supervisor re-plans the recorded job for the nodes left (hetero.jobs, as
+every re-plan does), waits until every survivor is waiting, and writes the ``Rejoin``: the
+new plan, the address of a fresh rendezvous store (hosted by the new launch rank 0), and each
+survivor's new launch rank by its place (host, local rank). Processes keep their devices:
+a survivor takes the new plan's rank for a device of its own host.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+from hetero.errors import HeteroError
+from hetero.launch.elastic import predicted_tokens_per_s, replan, speed_text
+from hetero.launch.inprocess import Rejoin, finished, place, ready
+from hetero.plan import Plan
+
+
+def places(plan: Plan) -> dict[str, int]:
+    """place(host, local rank) -> launch rank, for every process of the plan."""
+    seen: dict[str, int] = {}
+    found = {}
+    for rank, device in enumerate(plan.devices):
+        local = seen.get(device.host, 0)
+        seen[device.host] = local + 1
+        found[place(device.host, local)] = rank
+    return found
+
+
+def new_ranks(old: Plan, new: Plan, lost: set[str]) -> dict[str, int]:
+    """Each surviving process's launch rank under ``new``: the new plan's ranks on a host go to
+    that host's surviving processes in local-rank order (the same devices, by place)."""
+    survivors = [where for where in places(old) if where.rsplit(":", 1)[0] not in lost]
+    by_host: dict[str, list[str]] = {}
+    for where in survivors:
+        by_host.setdefault(where.rsplit(":", 1)[0], []).append(where)
+    mapping = {}
+    for where, rank in places(new).items():
+        host, local = where.rsplit(":", 1)
+        on_host = by_host.get(host, [])
+        if int(local) >= len(on_host):
+            raise HeteroError(f"the re-plan puts {int(local) + 1} processes on {host}, which has "
+                              f"{len(on_host)} surviving processes")
+        mapping[on_host[int(local)]] = rank
+    return mapping
+
+
+class InProcessSupervisor:
+    """Re-plans a running job after lost nodes, without restarting its survivors."""
+
+    def __init__(self, control_dir: str | Path, plan: Plan, run_dir: Path,
+                 address_of: Callable[[str], str], log: Callable[[str], None] = print,
+                 ready_timeout_s: float = 120.0) -> None:
+        self.control_dir = Path(control_dir)
+        self.plan, self.run_dir = plan, run_dir
+        self.address_of, self.log = address_of, log
+        self.ready_timeout_s = ready_timeout_s
+        self.epoch = 0
+        self.lost: set[str] = set()
+        self.recovery_seconds: list[float] = []
+        # Set by the runner: the hosts whose launchers are gone now (a second node lost while
+        # the survivors gather joins the same re-plan).
+        self.lost_now: Callable[[], set[str]] = lambda: set()
+
+    def recover(self, lost: set[str]) -> bool:
+        """Re-plans for the nodes left and tells the survivors (module docstring); False when
+        the job cannot go on in its processes (every node lost, a survivor that never reports)."""
+        lost = (lost & {host for host, _ in self.plan.hosts()}) - self.lost
+        if not lost:
+            return True
+        started = time.monotonic()
+        try:
+            new_plan = replan(self.plan, self.lost | lost)
+        except HeteroError as err:
+            self.log(f"elastic: lost {', '.join(sorted(lost))}; no re-plan for the nodes left ({err})")
+            return False
+        epoch = self.epoch + 1
+        plan_path = self.run_dir / f"plan-inprocess-{epoch}.json"
+        new_plan.save(plan_path)
+        ranks = new_ranks(self.plan, new_plan, self.lost | lost)
+        waiting = {where for where in places(self.plan) if where.rsplit(":", 1)[0] not in self.lost | lost}
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not waiting <= {r["place"] for r in ready(self.control_dir, epoch)}:
+            more = self.lost_now() - self.lost - lost
+            if more:
+                return self.recover(lost | more)
+            if time.monotonic() > deadline:
+                missing = waiting - {r["place"] for r in ready(self.control_dir, epoch)}
+                self.log(f"elastic: {', '.join(sorted(missing))} did not stop for the re-plan within "
+                         f"{self.ready_timeout_s:.0f} s; restarting the job instead")
+                return False
+            time.sleep(0.05)
+        store_host = self.address_of(new_plan.devices[0].host)
+        Rejoin(epoch, str(plan_path), store_host, random.randint(30000, 60000), ranks).save(self.control_dir)
+        self.recovery_seconds.append(time.monotonic() - started)
+        self.log(f"elastic: lost {', '.join(sorted(lost))}; re-planned in-process for "
+                 f"{', '.join(h for h, _ in new_plan.hosts())}: {new_plan.summary()}; predicted "
+                 f"{speed_text(predicted_tokens_per_s(self.plan))} -> {speed_text(predicted_tokens_per_s(new_plan))} "
+                 f"tokens/s; wrote {plan_path}; {len(ranks)} processes carry on in place "
+                 f"({self.recovery_seconds[-1]:.1f} s from the loss seen to the re-plan)")
+        self.plan, self.epoch = new_plan, epoch
+        self.lost |= lost
+        return True
+
+    def done(self) -> bool:
+        """Every process of the current plan finished training."""
+        return set(places(self.plan)) <= finished(self.control_dir, self.epoch)

@@ -1,0 +1,214 @@
+"""In-process restart (--inprocess-restart): a lost node costs the survivors no restart and
+no work since the last snapshot.
+
+The pieces without processes: which piece of which snapshot fills which part of a new
+layout's tensors, the generations a store keeps, the supervisor's rank mapping. Then on the
+emulated cpu_demo cluster (a fast node and a slow node in network namespaces): the slow
+node is killed between snapshots; the fast node's processes carry on under a re-plan,
+with the state from their snapshots (no checkpoint file read), and train what a run resumed
+from the same iteration's checkpoint under the new plan trains. On a three-node cluster,
+two nodes lost together take a shard and its only copy: the job says so and carries on
+from the last disk checkpoint, in the same processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import GPT_MODEL, REPO, TRAINING, assert_nothing_left, run_pretrain
+from hetero.events import CheckpointLoaded, StateRestored, losses, of_kind, read_events
+from hetero.launch.inprocess import Rejoin, finished, place, ready, report_finished, report_ready
+from hetero.launch.recovery import new_ranks, places
+from hetero.plan import Plan
+from megatron.hetero.snapshots import Box, LostState, Snapshot, SnapshotStore, plan_transfers
+from test_elastic import CLUSTER, _kill_node, _plan
+from tools.emulator import EmulatedCluster
+
+EMULATOR = pytest.mark.skipif(bool(EmulatedCluster.missing_prerequisites()),
+                              reason="emulator unavailable: " + "; ".join(EmulatedCluster.missing_prerequisites()))
+
+
+# ----- the pieces, without processes ------------------------------------------------------
+
+def test_a_need_is_cut_from_the_pieces_that_cover_it_own_first():
+    # two ranks held halves of a 4x2 tensor; a new rank 0 needs rows 1..3, rank 1 needs all
+    holdings = [[Box("w", (0, 0), (2, 2))], [Box("w", (2, 0), (2, 2))]]
+    needs = [[Box("w", (1, 0), (3, 2))], [Box("w", (0, 0), (4, 2))]]
+    transfers = plan_transfers(holdings, needs)
+    filled = {}
+    for t in transfers:
+        filled.setdefault((t.target, t.need), []).append((t.source, t.part))
+    assert sorted(filled[(0, needs[0][0])]) == [(0, Box("w", (1, 0), (1, 2))), (1, Box("w", (2, 0), (2, 2)))]
+    assert sorted(filled[(1, needs[1][0])]) == [(0, Box("w", (0, 0), (2, 2))), (1, Box("w", (2, 0), (2, 2)))]
+    for (target, need), parts in filled.items():  # every need exactly covered, nothing twice
+        assert sum(part.numel for _, part in parts) == need.numel
+
+
+def test_a_part_no_survivor_holds_is_named():
+    with pytest.raises(LostState, match=r"w: rows \(2, 0\)\+\(2, 2\) are held by no surviving rank"):
+        plan_transfers([[Box("w", (0, 0), (2, 2))]], [[Box("w", (0, 0), (4, 2))]])
+
+
+def test_the_store_keeps_two_generations_and_a_copy_only_once_complete():
+    store = SnapshotStore()
+    for iteration in (1, 2, 3):
+        store.add(Snapshot(iteration, 0, "a", {Box("w", (0,), (2,)): torch.zeros(2)}))
+    assert sorted(store.own) == [2, 3] and store.newest == 3
+    store.copies[3] = {1: Snapshot(3, 1, "b", {Box("w", (2,), (2,)): torch.ones(2)})}
+    assert [s.iteration for s in store.held(3)] == [3, 3]
+    store.add(Snapshot(3, 0, "a", {}))  # iteration 3 taken again (after a restore from 2)
+    assert 3 not in store.copies, "copies of an earlier take of the iteration must not mix in"
+
+
+def test_survivors_keep_their_devices_under_the_re_plan(tmp_path):
+    old = Plan.load(_plan(tmp_path))
+    assert places(old) == {"node-fast:0": 0, "node-fast:1": 1, "node-slow:0": 2, "node-slow:1": 3}
+    from hetero.launch.elastic import replan
+
+    new = replan(old, {"node-slow"})
+    assert new_ranks(old, new, {"node-slow"}) == {"node-fast:0": 0, "node-fast:1": 1}
+
+
+def test_the_control_directory_protocol(tmp_path):
+    report_ready(tmp_path, 1, place("node-a", 0), {"snapshot_iteration": 7})
+    assert [r["snapshot_iteration"] for r in ready(tmp_path, 1)] == [7]
+    assert Rejoin.load(tmp_path, 1) is None
+    Rejoin(1, "p.json", "10.0.0.1", 30001, {"node-a:0": 0}).save(tmp_path)
+    assert Rejoin.load(tmp_path, 1).ranks == {"node-a:0": 0}
+    report_finished(tmp_path, 1, place("node-a", 0))
+    assert finished(tmp_path, 1) == {"node-a:0"}
+
+
+# ----- on the emulated cluster ------------------------------------------------------------
+
+def _supervise(tmp_path: Path, cluster: Path, plan: Path, train: list[str], kill: list[str],
+               after_iteration: int) -> tuple[list[str], float]:
+    """Runs the job under the emulator's supervisor, kills the nodes ``kill`` once
+    ``after_iteration`` is logged (between its snapshot and the next), waits for the end.
+    Returns the output and the time of the kill."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "tools.emulator", "--cluster", str(cluster), "--plan", str(plan), "--elastic",
+         "--run-dir", str(tmp_path / "runs"), "--", "pretrain_gpt.py", *train],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    try:
+        for line in supervisor.stdout:
+            lines.append(line)
+            if f"iteration {after_iteration:8d}/" in line:
+                break
+        time.sleep(0.3)  # into the next iteration: its snapshot is not taken yet
+        killed_at = time.time()
+        for host in kill:
+            assert _kill_node(host) > 0, "".join(lines)[-3000:]
+        lines += supervisor.stdout.readlines()
+        assert supervisor.wait(timeout=600) == 0, "".join(lines)[-5000:]
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    assert_nothing_left(str(tmp_path))
+    return lines, killed_at
+
+
+@pytest.mark.slow
+@EMULATOR
+def test_a_lost_node_costs_the_survivors_no_restart_and_no_file_read(tmp_path):
+    plan = _plan(tmp_path)
+    train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
+                                    "--use-distributed-optimizer", "--inprocess-restart"]
+    lines, killed_at = _supervise(tmp_path, CLUSTER, plan, train, ["node-slow"], after_iteration=4)
+    output = "".join(lines)
+    recorded = read_events(tmp_path / "runs" / "attempt-0-events")
+    assert not of_kind(recorded, CheckpointLoaded), "no checkpoint file may be read"
+    (restored,) = of_kind(recorded, StateRestored)
+    assert restored.source == "memory" and restored.epoch == 1, restored
+    assert restored.iteration >= 3, f"more than the iterations since the last snapshot lost: {restored}"
+    assert "elastic: the job finished (attempt 0)" in output, output[-3000:]
+    # The survivors are the processes that started the job: the pids that waited for the
+    # re-plan are the pids that finished.
+    control = tmp_path / "runs" / "attempt-0-control"
+    waited = {r["place"]: r["pid"] for r in ready(control, 1)}
+    ended = {json.loads(p.read_text())["place"]: json.loads(p.read_text())["pid"]
+             for p in (control / "epoch-1" / "finished").glob("*.json")}
+    assert waited == ended and set(waited) == {"node-fast:0", "node-fast:1"}, (waited, ended)
+    after = {i: loss for i, loss in losses(recorded).items() if i > restored.iteration}
+    assert sorted(after) == list(range(restored.iteration + 1, 11))
+
+    # The same iteration's state from an uninterrupted run's checkpoint, resumed under the
+    # re-plan by hand, trains the same losses.
+    save = tmp_path / "reference"
+    layout = Plan.load(plan)
+    from tools.emulator.cluster import RankLayout
+    from hetero.spec.cluster import Cluster
+
+    with EmulatedCluster(Cluster.load(CLUSTER), RankLayout.of_plan(layout)) as emulated:
+        reference = emulated.run(["pretrain_gpt.py", "--hetero-plan", str(plan), *train[:-1], "--train-iters",
+                                  str(restored.iteration), "--save", str(save), "--save-interval",
+                                  str(restored.iteration)], timeout=600, echo=False)
+    assert reference.returncode == 0, reference.output[-3000:]
+    replanned = tmp_path / "runs" / "plan-inprocess-1.json"
+    by_hand = run_pretrain(train[:-1] + ["--load", str(save), "--hetero-plan", str(replanned)], nproc=2,
+                           env={"HETERO_DEVICE": "cpu-fast", "HETERO_VENDOR": "cpu"}, timeout=300)
+    assert by_hand.returncode == 0, by_hand.output[-3000:]
+    expected = by_hand.iteration_losses()
+    assert sorted(expected) == sorted(after)
+    for iteration, loss in after.items():
+        assert abs(loss - expected[iteration]) <= 1e-6 * abs(expected[iteration]), (iteration, loss, expected)
+
+
+THREE_NODES = {
+    "name": "cpu-three",
+    "devices": {"cpu-fast": {"vendor": "cpu", "memory_gib": 4, "peak_tflops": 0.05, "memory_bandwidth_gbs": 5}},
+    "groups": [{"name": "local", "nodes": [
+        {"host": f"node-{name}", "device": "cpu-fast", "count": 1, "intra_link": "loopback",
+         "nic": {"kind": "ethernet", "gbps": 8}} for name in ("a", "b", "c")]}],
+}
+
+
+@pytest.mark.slow
+@EMULATOR
+def test_two_lost_nodes_that_held_a_shard_and_its_copy_fall_back_to_the_disk_checkpoint(tmp_path):
+    cluster = tmp_path / "three.yaml"
+    cluster.write_text(yaml.safe_dump(THREE_NODES))
+    model = tmp_path / "tiny.yaml"
+    model.write_text(yaml.safe_dump({"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+                                     "seq_length": 32, "vocab_size": 1024, "ffn_hidden_size": 256,
+                                     "untie_embeddings_and_output_weights": False}))
+    plan = tmp_path / "plan.json"
+    subprocess.run([sys.executable, "-m", "hetero.cli", "--cluster", str(cluster), "--model", str(model),
+                    "--global-batch-size", "12", "--seq-length", "32", "--micro-batch-size", "2",
+                    "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "--skip-baseline",
+                    "--skip-upper-bound", "--quiet", "-o", str(plan)], cwd=REPO, check=True, capture_output=True)
+    # Three pipeline stages, one per node: each node's layers are its own (the planner picks
+    # three replicas here, each holding everything), the record kept for the re-plan.
+    written = json.loads(plan.read_text())
+    written.update(pipeline_parallel=3, data_parallel=1, stages=[
+        {"num_layers": 1, "device_types": ["cpu-fast"]} for _ in range(3)],
+        replicas=[{"num_micro_batches": 6, "device_types": ["cpu-fast"] * 3}], prediction=None)
+    plan.write_text(json.dumps(written))
+    hosts = [host for host, _ in Plan.load(plan).hosts()]
+    assert hosts == ["node-a", "node-b", "node-c"]
+    # node-b's stage is snapshot on node-b and copied to node-c: lose both
+    lose = ["node-b", "node-c"]
+    save = tmp_path / "ckpt"
+    train = ["--num-layers", "3", *GPT_MODEL[2:], *TRAINING, "--global-batch-size", "12",
+             "--lr-decay-style", "constant", "--train-iters", "8", "--use-distributed-optimizer",
+             "--inprocess-restart", "--save", str(save), "--save-interval", "2"]
+    lines, _ = _supervise(tmp_path, cluster, plan, train, lose, after_iteration=3)
+    output = "".join(lines)
+    recorded = read_events(tmp_path / "runs" / "attempt-0-events")
+    (restored,) = of_kind(recorded, StateRestored)
+    assert restored.source == "disk" and restored.iteration == 2, restored
+    assert "held by no surviving rank" in restored.detail
+    assert "falling back to the last disk checkpoint" in output
+    assert "elastic: the job finished (attempt 0)" in output, output[-3000:]
