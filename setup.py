@@ -47,14 +47,17 @@ setup(
                                               "megatron.hetero.*"]),
     py_modules=["pretrain_gpt"],
     # Megatron-LM's flag facts, read by hetero-plan and by megatron.hetero.flags at start-up.
-    package_data={"hetero.spec": ["megatron_lm_flags.json"]},
+    package_data={"hetero.spec": ["megatron_lm_flags*.json"], "megatron.hetero.flags": ["megatron_lm_reads*.json"]},
     ext_modules=[comm_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     install_requires=[
         # megatron-core 0.16.1's own floor, up to the newest release we test (the CPU set-up of
         # `make` pins 2.13.0). A GPU environment's torch (an NGC container's) is used as it is.
         "torch>=2.6,<2.14",
-        "megatron-core==0.16.1",
+        # The releases Megatron-Hetero is tested with (megatron/hetero/core_version.py): 0.16.1
+        # and 0.19.2, so an environment that has either keeps it. 0.19.2 asks for Python >= 3.12:
+        # a fresh install on 3.11 resolves to 0.16.1, on 3.12+ to 0.19.2.
+        "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,!=0.19.0,!=0.19.1,<=0.19.2",
         "pydantic>=2.5,<3",
         "PyYAML>=6.0",
         "numpy>=1.26",

@@ -20,6 +20,11 @@
 5. timeline.png: a measured iteration of the planner's plan above its prediction.
 6. Interleaved 1F1B (--only interleaved; the demo's model and set-up, on cpu_demo.yaml): the
    interleaved plan the demo picked, against the same plan without virtual stages.
+7. Replica templates (--only templates; emu_memory.yaml: two fast devices that hold the whole
+   model, four half-speed ones that hold half of it): the planner's plan of several
+   templates against its best plan of one template (hetero-plan --no-templates), run side
+   by side: one compute profile of both plans' cases before and one after, the timed runs
+   alternating between the plans.
 
 Each cluster is profiled once before its runs (compute and links): the planner plans with
 that. The VM's speed drifts by 10-25% over tens of minutes (one plan measured 2.39 s and,
@@ -41,7 +46,9 @@ emulator's default); the memory run returns it to the OS, so that its peak is th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
@@ -86,6 +93,8 @@ OPTIONS = PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1, 2, 4), setu
 WARMUP_ITERATIONS = 2
 BRACKET_REPEATS = 8  # timed rounds of a bracketing profile (the cluster's profile takes 16)
 MEMORY_RUN_ENV = {KEEP_FREED_MEMORY_ENV: "0"}  # freed memory returned: the peak is the job's own
+TEMPLATES_GLOBAL_BATCH = 20
+TEMPLATES_OPTIONS = PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1, 2), setup=SETUP)
 
 
 def model_spec(model_flags: list[str]):
@@ -362,6 +371,109 @@ class Bench:
         self.save()
 
 
+    def templates_cluster(self, global_batch: int) -> None:
+        """The planner's plan of several replica templates against its best plan of one
+        (--no-templates) on emu_memory.yaml, where memory forces the device classes into
+        different shapes. Both plans are run side by side: their memory runs, then one short
+        compute profile of both plans' cases, their timed runs alternating (A B, B A, A B, ...),
+        and one more profile; each is predicted from the median of the two profiles."""
+        cluster = Cluster.load(CLUSTERS / "emu_memory.yaml")
+        load_before = os.getloadavg()
+        profiles, like = self.profile("templates", cluster, micro_batch_sizes=TEMPLATES_OPTIONS.micro_batch_sizes)
+        plans = {}
+        for templates, label in ((True, "planner"), (False, "planner, --no-templates")):
+            options = dataclasses.replace(TEMPLATES_OPTIONS, templates=templates)
+            picked = Planner(cluster, self.spec, global_batch, options, profiles).plan()
+            plans[label] = picked.plan
+            self.log(f"templates: {label}: {describe(picked.plan)}, predicted "
+                     f"{picked.prediction.iteration_time_s:.3f} s")
+        if plans["planner"].num_templates < 2:
+            self.log("templates: the planner's pick is a plan of one template on these profiles")
+        name = "templates"
+        memory, traces = {}, {}
+        for label, plan in plans.items():
+            path = self.out / name / slug(label) / "plan.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plan.save(path)
+            self.log(f"templates: memory run of {label}")
+            memory[label] = self.stage_memory(plan, self.run(
+                self.emulator(cluster, RankLayout.of_plan(plan), like), self.train_argv(plan, path),
+                f"training {label} (memory run)", MEMORY_RUN_ENV))
+        cases_tp = tuple(sorted({tp for plan in plans.values() for t in plan.templates for tp in t.stage_tensor_parallel}))
+        cases_mbs = tuple(sorted({plan.micro_batch_size for plan in plans.values()}))
+        passes = [self.profile_compute(self.out / name / "profile-before", cluster, like, cases_tp, cases_mbs,
+                                       BRACKET_REPEATS)]
+        runs: dict[str, list[float]] = {label: [] for label in plans}
+        times: dict[str, list[list[float]]] = {label: [] for label in plans}
+        labels = list(plans)
+        for repeat in range(1, self.repeats + 1):
+            for label in (labels if repeat % 2 else labels[::-1]):
+                plan = plans[label]
+                trace_dir = self.out / name / slug(label) / f"trace-{repeat}"
+                trace = {"HETERO_TRACE_DIR": str(trace_dir), "HETERO_TRACE_ITERATION": str(self.iterations - 1)}
+                these = self.run(self.emulator(cluster, RankLayout.of_plan(plan), like),
+                                 self.train_argv(plan, self.out / name / slug(label) / "plan.json"),
+                                 f"training {label} (timed run {repeat})", trace).iteration_times_s()
+                runs[label].append(statistics.median(these[WARMUP_ITERATIONS:]))
+                times[label].append(these)
+                self.log(f"  {label}, run {repeat}: {runs[label][-1]:.3f} s/iteration")
+        passes.append(self.profile_compute(self.out / name / "profile-after", cluster, like, cases_tp, cases_mbs,
+                                           BRACKET_REPEATS))
+        around = Profiles(passes[0].with_compute_passes(passes[1]).compute, profiles.link_profiles)
+        rows = {}
+        for label, plan in plans.items():
+            prediction = predict(plan, cluster, CostModel(cluster, self.spec, self.setup, around))
+            from_cluster_profile = predict(plan, cluster, CostModel(cluster, self.spec, self.setup, profiles))
+            iteration = statistics.median(runs[label])
+            predicted_memory = {}
+            for k in range(plan.num_templates):
+                first = plan.grid.replica_offsets[k]
+                predicted_memory.update({(k, r.slot.stage): r.memory.total for r in prediction.reports
+                                         if r.slot.replica == first})
+            row = {"cluster": name, "plan": label, "layout": describe(plan), "measured_s": iteration,
+                   "runs_s": runs[label], "spread": (max(runs[label]) - min(runs[label])) / iteration,
+                   "iterations_s": times[label],
+                   "measured_tokens_per_s": plan.global_batch_size * self.spec.seq_length / iteration,
+                   "predicted_s": prediction.iteration_time_s, "time_error": prediction.iteration_time_s / iteration - 1,
+                   "predicted_before_s": from_cluster_profile.iteration_time_s,
+                   "time_error_before": from_cluster_profile.iteration_time_s / iteration - 1,
+                   "predicted_stage_end_s": prediction.stage_end_s, "predicted_reduce_s": prediction.reduce_s,
+                   "predicted_optimizer_s": prediction.optimizer_s,
+                   "memory": [{"stage": stage_label(plan, k, s), "predicted_mb": predicted_memory[k, s] / 2**20,
+                               "measured_mb": m / 2**20, "error": predicted_memory[k, s] / m - 1}
+                              for (k, s), m in sorted(memory[label].items())]}
+            rows[label] = row
+            self.results["predictor"].append(row)
+            self.log(f"  {label}: measured {iteration:.3f} s (median of {len(runs[label])}, spread "
+                     f"{row['spread']:.1%}), predicted {row['predicted_s']:.3f} s ({row['time_error']:+.1%}; from the "
+                     f"cluster's profile {row['time_error_before']:+.1%})")
+        templated, one = rows["planner"], rows["planner, --no-templates"]
+        self.results["templates"] = {
+            "templated_layout": templated["layout"], "one_template_layout": one["layout"],
+            "num_templates": plans["planner"].num_templates,
+            "measured_speedup": one["measured_s"] / templated["measured_s"],
+            "predicted_speedup": one["predicted_s"] / templated["predicted_s"],
+            "errors": {"templated": templated["time_error"], "one_template": one["time_error"]},
+            "spreads": {"templated": templated["spread"], "one_template": one["spread"]},
+            "load_before": load_before, "load_after": os.getloadavg()}
+        self.save()
+
+    def train_argv(self, plan: Plan, path: Path) -> list[str]:
+        return ["pretrain_gpt.py", "--hetero-plan", str(path), *self.model_flags, *DATA_FLAGS,
+                "--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
+                "--train-iters", str(self.iterations), "--lr", "1e-4", "--log-interval", "1",
+                "--log-memory-interval", str(self.iterations), "--eval-iters", "0"]
+
+    def stage_memory(self, plan: Plan, result: JobResult) -> dict[tuple[int, int], float]:
+        """Each (template, stage)'s peak after the last iteration, the median over its ranks."""
+        found: dict[tuple[int, int], list[float]] = {}
+        for memory in of_kind(result.events, Memory):
+            if memory.iteration == self.iterations:
+                coords = plan.grid.coords(memory.logical_rank)
+                found.setdefault((coords.template, coords.pp_rank), []).append(memory.peak_mb * 2**20)
+        return {key: statistics.median(m) for key, m in found.items()}
+
+
 def plan_devices(cluster: Cluster, num_layers: int) -> list[dict]:
     """The cluster's devices as a plan lists them, in launch order."""
     return [d.model_dump() for d in Plan.uniform(
@@ -384,11 +496,17 @@ def per_stage_plan(layers: int, global_batch: int, devices: list[dict]) -> Plan:
 
 
 def describe(plan: Plan) -> str:
+    if plan.num_templates > 1:
+        return " + ".join(f"[{describe(plan.template_plan(k))}]" for k in range(plan.num_templates))
     layers = "/".join(str(s.num_layers) for s in plan.stages)
     micro = "/".join(str(r.num_micro_batches) for r in plan.replicas)
     tp = "/".join(map(str, plan.stage_tensor_parallel)) if plan.per_stage_tensor_parallel else plan.tensor_parallel
     return (f"TP{tp} PP{plan.pipeline_parallel} DP{plan.data_parallel} mbs {plan.micro_batch_size} "
             f"layers {layers} micro-batches {micro} order {plan.rank_order}")
+
+
+def stage_label(plan: Plan, template: int, stage: int) -> str:
+    return f"{stage} of template {template + 1}" if plan.num_templates > 1 else str(stage)
 
 
 def layout_key(plan: Plan) -> tuple:
@@ -414,7 +532,9 @@ def main() -> int:
                         help="of the compute cluster: 24 micro-batches of 2 split 7/7/7/3 within 2%% of the "
                              "devices' speeds; 16 of 2 (32) cannot come closer than 9%%")
     parser.add_argument("--small-global-batch-size", type=int, default=16, help="of the NIC and shapes clusters")
-    parser.add_argument("--only", choices=["compute", "nic", "shapes", "interleaved"], default=None)
+    parser.add_argument("--only", choices=["compute", "nic", "shapes", "interleaved", "templates"], default=None)
+    parser.add_argument("--templates-global-batch-size", type=int, default=TEMPLATES_GLOBAL_BATCH,
+                        help="of the templates cluster")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every plan (median, spread)")
     parser.add_argument("--plans", type=int, default=None, help="at most this many plans of the shapes scenario")
     options = parser.parse_args()
@@ -441,6 +561,10 @@ def main() -> int:
                      setup=DEMO_SETUP)
         demo.interleaved_cluster(options.small_global_batch_size)
         print("\n" + report(demo.results))
+    if options.only in (None, "templates"):  # a cluster and report of its own
+        templated = Bench(out / "templates", options.iterations, options.repeats)
+        templated.templates_cluster(options.templates_global_batch_size)
+        print("\n" + report(templated.results))
     print(f"(bench took {time.monotonic() - start:.0f} s; files in {out})")
     return 0
 

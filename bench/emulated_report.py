@@ -34,6 +34,18 @@ def report(results: dict) -> str:
                   f"predicted {i['predicted_speedup']:.2f}x",
                   f"- prediction error: interleaved {i['errors']['interleaved']:+.1%}, "
                   f"plain {i['errors']['plain']:+.1%}", ""]
+    t = results.get("templates")
+    if t:
+        lines += ["## Replica templates against one template, side by side", "",
+                  f"- planner ({t['num_templates']} template(s)): {t['templated_layout']}",
+                  f"- planner, --no-templates: {t['one_template_layout']}",
+                  f"- one-template over templated iteration time: measured {t['measured_speedup']:.2f}x, "
+                  f"predicted {t['predicted_speedup']:.2f}x",
+                  f"- prediction error: templated {t['errors']['templated']:+.1%}, "
+                  f"one template {t['errors']['one_template']:+.1%}; spread {t['spreads']['templated']:.1%}, "
+                  f"{t['spreads']['one_template']:.1%}",
+                  "- load (1, 5, 15 min) before: " + ", ".join(f"{x:.1f}" for x in t["load_before"])
+                  + "; after: " + ", ".join(f"{x:.1f}" for x in t["load_after"]), ""]
     q = results.get("quality")
     if q:
         compute = [r for r in rows if r["cluster"] == "compute"]

@@ -27,7 +27,7 @@ from hetero.spec.recompute import MODES as RECOMPUTE_MODES, mode as recompute_mo
 from hetero.report import (measured_against_predicted, measured_iteration_times_s, memory_table, summary,
                            timeline_png)
 from hetero.search.planner import PlannerOptions
-from hetero.spec import discover, profile_slurm
+from hetero.slurm import discover, profile as profile_slurm
 from hetero.spec.cluster import Cluster
 from hetero.spec.launch_script import pretrain_flags_of_script
 from hetero.spec.megatron_args import FlagsJob, job_of_flags
@@ -226,7 +226,10 @@ def _plan_command(argv: Sequence[str]) -> int:
         cluster = Cluster.load(args.cluster)
         job = _model_job(args, cluster)
     else:
-        flags = pretrain_flags_of_script(args.megatron_script, rest) if args.megatron_script else rest
+        notes: list[str] = []
+        flags = pretrain_flags_of_script(args.megatron_script, rest, notes=notes) if args.megatron_script else rest
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         if not flags:
             raise HeteroError("no model: give --model NAME|YAML, pretrain_gpt.py's flags after `--`, "
                               "or --megatron-script train.sh")
@@ -305,6 +308,10 @@ def _discover_command(argv: Sequence[str]) -> int:
                    help="auto: Slurm's topology where it has one, else partition")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="for nodes without a gpu GRES whose probe saw no GPU")
+    p.add_argument("--exclude-nodes", action="append", default=[], metavar="NAMES",
+                   help="leave out these nodes (comma-separated or a Slurm host list, e.g. cpu[01-02]; repeat)")
+    p.add_argument("--exclude-feature", action="append", default=[], metavar="F",
+                   help="leave out every node with this Slurm feature (repeat)")
     p.add_argument("--no-probe", action="store_true", help="run nothing on the nodes (NICs: --nic or default)")
     p.add_argument("--probe-timeout", type=float, default=120.0, help="seconds to wait for each node's probe")
     p.add_argument("--name", default=None, help="cluster name (default: Slurm's ClusterName)")
@@ -316,7 +323,8 @@ def _discover_command(argv: Sequence[str]) -> int:
         device_map=dict(discover.parse_mapping("--device-map", m) for m in args.device_map),
         nics=dict(discover.parse_nic(n) for n in args.nic),
         intra_links=dict(discover.parse_mapping("--intra-link", m) for m in args.intra_link),
-        inter_group=inter, gpus_per_node=args.gpus_per_node, group_by=args.group_by,
+        inter_group=inter, gpus_per_node=args.gpus_per_node, exclude_nodes=args.exclude_nodes,
+        exclude_features=args.exclude_feature, group_by=args.group_by,
         probe=not args.no_probe, probe_timeout_s=args.probe_timeout, name=args.name)
     found = discover.discover_slurm(options)
     text = discover.spec_yaml(found, " ".join(["hetero-plan discover", *argv]))
@@ -338,7 +346,7 @@ def _profile_command(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="hetero-plan profile",
         description="Measure the profiles --profiles reads on one node of each device class of a Slurm cluster "
-                    "(hetero/spec/profile_slurm.py, docs/slurm.md). The model's Megatron flags follow `--`.")
+                    "(hetero/slurm/profile.py, docs/slurm.md). The model's Megatron flags follow `--`.")
     p.add_argument("--slurm", action="store_true", required=True,
                    help="run the profilers through srun on the cluster that scontrol/srun on PATH talk to")
     p.add_argument("--cluster", required=True, help="cluster spec whose hosts are Slurm nodes (discover --slurm)")

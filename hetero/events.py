@@ -133,6 +133,16 @@ class StateRestored(Event):
     detail: str = ""
 
 
+class SnapshotCost(Event):
+    """What keeping the state in memory cost this rank (--inprocess-restart), at the end of
+    its training: the time of each snapshot (taking and copying), and the host memory its
+    snapshots and the copies it keeps for others held."""
+
+    kind: Literal["snapshot_cost"] = "snapshot_cost"
+    seconds: list[float]
+    host_bytes: int
+
+
 class LostRank(BaseModel):
     """A process of the job found gone (or frozen) by another."""
 

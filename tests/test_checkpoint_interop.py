@@ -49,6 +49,7 @@ def _assert_continues(resumed, reference, iterations=(4, 5, 6)):
         assert math.isclose(got[i], want[i], rel_tol=1e-5), (i, got[i], want[i])
 
 
+@pytest.mark.core019
 def test_megatron_lm_reads_ours_and_ours_resumes_megatron_lm_under_a_heterogeneous_plan(tmp_path, homogeneous):
     ours, reference = homogeneous
     theirs = tmp_path / "megatron_lm"

@@ -57,15 +57,18 @@ class _Group:
 
 @pytest.mark.parametrize("cp_size", [2, 3])
 def test_chunks_are_megatron_cores_batch_split(cp_size, monkeypatch):
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.hetero.core_compat import batch_on_this_cp_rank
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # it reads a group only then
+    # megatron-core 0.17+ asks torch.distributed for the group's size and rank.
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group.size())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: group.rank())
 
     length = 4 * cp_size
     for rank in range(cp_size):
         batch = {"tokens": torch.arange(length).repeat(2, 1),
                  "attention_mask": torch.arange(length).view(1, 1, length, 1).expand(2, 1, length, length)}
-        split = get_batch_on_this_cp_rank(batch, _Group(cp_size, rank))
+        split = batch_on_this_cp_rank(batch, _Group(cp_size, rank))
         assert split["tokens"][0].tolist() == chunk_positions(length, cp_size, rank).tolist()
         assert split["attention_mask"][0, 0, :, 0].tolist() == chunk_positions(length, cp_size, rank).tolist()
     with pytest.raises(HeteroError, match="divisible by 4"):

@@ -29,6 +29,7 @@ def _plan(**fields) -> Plan:
 @pytest.mark.parametrize("tp, pp, dp, ep, etp", [
     (1, 1, 4, 2, None), (2, 2, 2, 2, 1), (2, 1, 4, 4, 2), (1, 3, 4, 4, None), (4, 1, 2, 2, 2),
 ])
+@pytest.mark.core019
 def test_plan_expert_groups_are_megatron_cores(tp, pp, dp, ep, etp):
     from megatron.core.parallel_state import RankGenerator
 
@@ -109,6 +110,7 @@ def _assert_same(reference, result) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.core019
 def test_expert_parallel_jobs_train_as_one_process(tmp_path):
     reference = run_pretrain(JOB)
     assert reference.returncode == 0, reference.output[-3000:]

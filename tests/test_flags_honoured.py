@@ -281,10 +281,22 @@ def test_cuda_only_profiling_is_refused_on_the_cpu_by_name():
         _args("--record-memory-history")
     with pytest.raises(HeteroError, match="--log-device-memory-used .* needs a GPU"):
         _args("--log-device-memory-used")
-    with pytest.raises(HeteroError, match="add --use-pytorch-profiler"):
-        _args("--profile")
     with pytest.raises(HeteroError, match="--tensorboard-dir"):
         _args("--profile", "--use-pytorch-profiler")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's substitution")
+@pytest.mark.parametrize("tensorboard", [[], ["--tensorboard-dir", "tb"]], ids=["no-tensorboard", "tensorboard"])
+def test_an_nsys_profile_runs_as_torch_profiler_on_the_cpu_under_the_one_note(tensorboard, tmp_path, monkeypatch):
+    from megatron.hetero.cpu_device import substitution_note
+
+    monkeypatch.chdir(tmp_path)
+    args = _args("--profile", *tensorboard)
+    assert args.use_pytorch_profiler
+    assert args.profile_trace_dir == ("tb" if tensorboard else str(tmp_path / "profile"))
+    note = substitution_note(args.cpu_substitutions)
+    assert f"--profile (an nsys capture range) -> torch.profiler, as with --use-pytorch-profiler (its trace in " \
+           f"{args.profile_trace_dir})" in note
 
 
 def test_cyclic_dataloader_goes_round_the_data_in_a_new_order_each_pass():
@@ -413,14 +425,17 @@ def test_group_tuning_flags_reach_megatron_core_or_are_noted_on_the_cpu():
     from megatron.hetero.cpu_device import substitute_gpu_choices
     from megatron.hetero.distributed import GROUP_OPTION_FLAGS, group_options
 
-    assert set(GROUP_OPTION_FLAGS) <= set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
+    accepted = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
+    # megatron-core 0.17+ builds the all-gather groups outside it (for Megatron-FSDP only).
+    assert set(GROUP_OPTION_FLAGS) - {"create_all_gather_group"} <= accepted
 
     given = ["--use-sharp", "--sharp-enabled-group", "dp", "--high-priority-stream-groups", "dp", "tp",
              "--create-all-gather-group", "--disable-gloo-process-groups"]
     args = parse_args(BASE + given)
-    assert group_options(args) == {"use_sharp": True, "sharp_enabled_group": "dp", "nccl_communicator_config_path": None,
-                                   "high_priority_stream_groups": ["dp", "tp"], "create_all_gather_group": True,
-                                   "create_gloo_process_groups": False}
+    expected = {"use_sharp": True, "sharp_enabled_group": "dp", "nccl_communicator_config_path": None,
+                "high_priority_stream_groups": ["dp", "tp"], "create_all_gather_group": True,
+                "create_gloo_process_groups": False}
+    assert group_options(args) == {name: value for name, value in expected.items() if name in accepted}
     if torch.cuda.is_available():
         return
     notes = substitute_gpu_choices(args, [])

@@ -86,7 +86,7 @@ def megatron_core_order(stage: int, stages: int, chunks: int, micro_batches: int
         output.ran_as = (current_microbatch, vp_stage)
         return output, torch.tensor(0)
 
-    def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, *model_type_and_config):  # 0.17+: no model_type
         log.append(("B", *output_tensor.ran_as))
 
     groups = types.SimpleNamespace(tp=_Group(0, 1), cp=_Group(0, 1), embd=None, pos_embd=None,

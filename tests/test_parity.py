@@ -19,6 +19,7 @@ from conftest import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.core019
 def test_uneven_stages_unequal_replicas_permuted_ranks(tmp_path, gpt_reference):
     plan = make_plan(
         tp=1, pp=2, dp=2, stages=[3, 1], replicas=[5, 3], rank_order=[2, 0, 3, 1]

@@ -236,8 +236,8 @@ def test_a_launch_script_reads_as_bash_runs_it(arguments, environ, tmp_path, mon
 
 @pytest.mark.parametrize("text,arguments,fragment", [
     ("python train.py --num-layers 2\n", [], "no command runs pretrain_gpt.py"),
-    ("python pretrain_gpt.py --save $OUT_DIR_UNSET\n", [],
-     "train.sh:1: the pretrain_gpt.py line uses what hetero-plan cannot read: $OUT_DIR_UNSET (not set"),
+    ("python pretrain_gpt.py --save ${OUT_DIR_UNSET:?give OUT_DIR}\n", [],
+     "train.sh:1: the pretrain_gpt.py line uses what hetero-plan cannot read: $OUT_DIR_UNSET (give OUT_DIR)"),
     ("A=$(date)\npython pretrain_gpt.py --save $A\n", [], "$A (set on line 1 from $(date) (command substitution"),
     ("for x in 1 2; do\n  L=$x\ndone\npython pretrain_gpt.py --num-layers $L\n", [], "$L (set on line 2 under a condition"),
     ("python pretrain_gpt.py --a\npython pretrain_gpt.py --b\n", [], "runs on several lines (1, 2)"),
@@ -248,6 +248,29 @@ def test_unreadable_scripts_are_named(text, arguments, fragment, tmp_path):
     with pytest.raises(HeteroError) as error:
         pretrain_flags_of_script(script, arguments, {})
     assert fragment in str(error.value)
+
+
+UNSET_SCRIPT = """\
+MODEL_ARGS=(--num-layers 2 --hidden-size 64)
+PREFIX=$UNSET_ROOT
+torchrun pretrain_gpt.py "${MODEL_ARGS[@]}" "${PROFILE_ARGS[@]}" ${EXTRA_ARGS[@]} $UNSET_FLAG \\
+    --save "$PREFIX/ckpt"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_what_a_script_never_sets_expands_to_nothing_as_in_bash_with_a_note(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text(UNSET_SCRIPT)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("UNSET_")}
+    notes: list[str] = []
+    read = pretrain_flags_of_script(script, [], environ, notes=notes)
+    assert read == _bash_argv(script, [], tmp_path, environ) == [
+        "--num-layers", "2", "--hidden-size", "64", "--save", "/ckpt"]
+    assert [note.split(" is set nowhere")[0] for note in notes] == [
+        f"{script}:2: $UNSET_ROOT", f"{script}:3: ${{PROFILE_ARGS[@]}}", f"{script}:3: ${{EXTRA_ARGS[@]}}",
+        f"{script}:3: $UNSET_FLAG"]
+    assert all(note.endswith("it expands to nothing, as in bash") for note in notes)
 
 
 LLAMA3_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",

@@ -23,8 +23,8 @@ import yaml
 from conftest import REPO, live_command, processes_mentioning
 from hetero.cli import main
 from hetero.errors import HeteroError
-from hetero.spec import discover
-from hetero.spec import node_probe, slurm_text
+from hetero.slurm import discover
+from hetero.slurm import probe as node_probe, text as slurm_text
 from hetero.spec.cluster import Cluster
 
 # ----- captured text (Slurm 22.05) ----------------------------------------------------------
@@ -175,6 +175,30 @@ def test_discovers_a_spec_from_slurm_text(tmp_path, monkeypatch):
         ("h100", ["node0"]), ("a100-80", ["gpu-a07"])]
     with pytest.raises(HeteroError, match="partition nope does not exist.*gpu, a100-80, all, h100, amd"):
         discover.discover_slurm(discover.DiscoverOptions(partitions=["nope"], probe=False))
+
+
+def test_a_node_without_gpus_is_left_out_by_name_or_feature(tmp_path, monkeypatch):
+    """A CPU node in the partition: the error names the node and the options that leave it
+    out; --exclude-nodes and --exclude-feature do."""
+    monkeypatch.setenv("PATH", f"{_fake_slurm(tmp_path)}:{os.environ['PATH']}")
+    cpu_node = ("NodeName=cpu0 CPUTot=64 AvailableFeatures=cpu,rome ActiveFeatures=cpu,rome Gres=(null) "
+                "NodeAddr=cpu0 State=IDLE Partitions=gpu,h100 SlurmdStartTime=2026-11-26T15:39:49\n")
+    with open(tmp_path / "nodes", "a") as nodes:
+        nodes.write(cpu_node)
+    options = dict(partitions=["h100"], probe=False)
+    with pytest.raises(HeteroError) as refused:
+        discover.discover_slurm(discover.DiscoverOptions(**options))
+    message = str(refused.value)
+    assert "node cpu0: cannot map its features/GRES types ('cpu', 'rome')" in message
+    assert "left out: --exclude-nodes cpu0 (or --exclude-feature cpu)" in message
+    for exclusion in (dict(exclude_nodes=["cpu0"]), dict(exclude_features=["cpu"])):
+        found = discover.discover_slurm(discover.DiscoverOptions(**options, **exclusion))
+        assert [n["host"] for g in found.spec["groups"] for n in g["nodes"]] == ["node0"]
+        assert "left out by --exclude-nodes/--exclude-feature: cpu0" in found.notes
+    for exclusion, fragment in ((dict(exclude_nodes=["cpu9"]), "--exclude-nodes cpu9: no such node in partition(s) h100"),
+                                (dict(exclude_features=["arm"]), "--exclude-feature arm: no node of partition(s) h100 has it")):
+        with pytest.raises(HeteroError, match=re.escape(fragment)):
+            discover.discover_slurm(discover.DiscoverOptions(**options, **exclusion))
 
 
 def test_no_slurm_on_path_is_named(tmp_path, monkeypatch, capsys):

@@ -25,14 +25,14 @@ import yaml
 from conftest import (GPT_MODEL, REPO, TRAINING, assert_nothing_left, iteration_figure, processes_mentioning,
                       run_pretrain)
 from hetero.events import CheckpointSaved, Iteration, of_kind, read_events
-from hetero.launch.slurm.client import SlurmView
-from hetero.launch.slurm.components import plan_components
-from hetero.launch.slurm.env_rules import EnvRule, env_for_node
-from hetero.launch.slurm.options import LaunchOptions
-from hetero.launch.slurm_driver.binding import bind_hosts, bound_plan
-from hetero.launch.slurm_driver.steps import step_environment
+from hetero.slurm.client import SlurmView
+from hetero.slurm.submit.components import plan_components
+from hetero.slurm.submit.env_rules import EnvRule, env_for_node
+from hetero.slurm.submit.options import LaunchOptions
+from hetero.slurm.driver.binding import bind_hosts, bound_plan
+from hetero.slurm.driver.steps import step_environment
 from hetero.plan import Plan
-from hetero.spec import slurm_text
+from hetero.slurm import text as slurm_text
 from test_slurm import _in_namespaces, _namespace_inodes, _need_root_and_slurm
 
 PY = sys.executable
@@ -117,21 +117,27 @@ def test_writes_one_component_per_node_class(tmp_path):
     assert lines == [
         "#SBATCH --job-name=hetero-plan",
         f"#SBATCH --output={tmp_path}/run/slurm-%j.out",
-        "#SBATCH --nodes=1 --ntasks-per-node=1 --constraint=h100 --gres=gpu:2 --exclusive --mem=0 --no-kill "
-        "--partition=gpu --account=proj --time=2:00:00 --qos=high",
-        "#SBATCH hetjob",
         "#SBATCH --nodes=2 --ntasks-per-node=1 --constraint=a100 --gres=gpu:1 --exclusive --mem=0 --no-kill "
         "--partition=gpu --account=proj --time=2:00:00 --qos=high",
+        "#SBATCH hetjob",
+        "#SBATCH --nodes=1 --ntasks-per-node=1 --constraint=h100 --gres=gpu:2 --exclusive --mem=0 --no-kill "
+        "--partition=gpu --account=proj --time=2:00:00 --qos=high",
     ], script
-    assert "# component 1: 2 x A100-80GB node, 1 rank each (--constraint=a100; plan hosts gpu-a, gpu-b)" in script
+    # The class with the most nodes first: component 0 with two nodes keeps the job alive
+    # through the loss of any node but its first (where the driver runs).
+    assert "# component 0: 2 x A100-80GB node, 1 rank each (--constraint=a100; plan hosts gpu-a, gpu-b)" in script
     assert f"cd {REPO}\n" in script
     body = script.split("exec ", 1)[1].replace("\\\n    ", "")
-    assert body.startswith(f"{PY} -m hetero.launch.slurm_driver --run-dir {tmp_path}/run --emulate-devices "
+    assert body.startswith(f"{PY} -m hetero.slurm.driver --run-dir {tmp_path}/run --emulate-devices "
                            "--env GLOO_SOCKET_IFNAME=eth0 --env ib:NCCL_IB_HCA=mlx5_0 "
                            "--env A100-80GB:NCCL_SOCKET_IFNAME=ib0 -- --num-layers 4 --save 'ckpt dir'"), body
-    # a1 is down: the job waits for it; the one-node H100 component is named as Slurm's limit.
+    # a1 is down: the job waits for it.
     assert "not available now: a1 (DOWN+NOT_RESPONDING)" in done.stderr
-    assert "1 of these 3 nodes can be lost. --layout single survives" in done.stderr
+    assert "survives the loss of any of its 3 nodes but component 0's first" in done.stderr
+    # Component 0 with a single node: only nodes the driver can take out first can be lost.
+    single = _launch(tmp_path, _plan_dict(MIXED[:3]), "--dry-run", "--partition", "gpu", "--", env=env)
+    assert single.returncode == 0, single.stderr
+    assert "component 0 holds a single node" in single.stderr and "0 of these 2 nodes can be lost" in single.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "sbatch-called").exists()
 
 
@@ -179,14 +185,14 @@ def test_one_job_for_every_class_where_nodes_run_alike(tmp_path):
                    "--", env=env)
     assert done.returncode == 0, done.stderr
     assert [line for line in done.stdout.splitlines() if line.startswith("#SBATCH --nodes")] == [
-        "#SBATCH --nodes=3 --ntasks-per-node=1 --constraint=[h100*1&a100*2] --gres=gpu:1 --exclusive --mem=0 "
+        "#SBATCH --nodes=3 --ntasks-per-node=1 --constraint=[a100*2&h100*1] --gres=gpu:1 --exclusive --mem=0 "
         "--no-kill --partition=gpu --time=1:00:00"]
     assert "hetjob" not in done.stdout and "3 nodes in one job" in done.stdout
     unlike = _launch(tmp_path, _plan_dict(MIXED), "--dry-run", "--layout", "single", "--partition", "gpu", "--",
                      env=env)
     assert unlike.returncode == 2
-    assert ("--layout single asks every node for the same GPUs, but the plan runs 2 on each H100-80GB node, 1 on "
-            "each A100-80GB node; use --layout het") in unlike.stderr
+    assert ("--layout single asks every node for the same GPUs, but the plan runs 1 on each A100-80GB node, 2 on "
+            "each H100-80GB node; use --layout het") in unlike.stderr
     expression = _launch(tmp_path, alike, "--dry-run", "--layout", "single", "--feature", "A100-80GB=a100&80gb",
                          "--partition", "gpu", "--", env=env)
     assert expression.returncode == 2 and "counts nodes by plain features" in expression.stderr
@@ -199,8 +205,9 @@ def test_binding_keeps_the_launch_layout_and_rank_order():
         replicas=[{"num_micro_batches": 5}, {"num_micro_batches": 3}], rank_order=[1, 0, 3, 2]))
     view = SlurmView(slurm_text.parse_nodes(NODES_TEXT), ["all", "gpu"], "all")
     components, _ = plan_components(plan, view, LaunchOptions(partition="gpu"))
-    # Slurm gave component 1 nodes a7 and x: host x keeps its namesake, y takes a7.
-    mapping = bind_hosts(components, [["h0"], ["a7", "x"]])
+    # Slurm gave component 0 (the A100s: most nodes first) a7 and x: host x keeps its namesake, y takes a7.
+    assert [c.device_type for c in components] == ["A100-80GB", "H100-80GB"]
+    mapping = bind_hosts(components, [["a7", "x"], ["h0"]])
     assert mapping == {"h": "h0", "x": "x", "y": "a7"}
     bound = bound_plan(plan, mapping)
     assert [d.host for d in bound.devices] == ["h0", "h0", "x", "a7"]
@@ -323,10 +330,11 @@ def slurm():
     from tools.emulator.slurm import SlurmCluster, SlurmNode
 
     _need_root_and_slurm()
-    # SlurmdTimeout as on a real cluster, long against what the driver does before Slurm
-    # notices a dead node (here ~10 s): the test is of the driver, not of a race with Slurm.
+    # Slurm's default SlurmdTimeout (300 s), long against what the driver does before Slurm
+    # notices a dead node (here ~10 s): a lost node Slurm cannot take out of the job stays
+    # in it, unused, and returns while still in it.
     cluster = SlurmCluster([SlurmNode("node0", "h100", gpus=2), SlurmNode("node1", "a100"),
-                            SlurmNode("node2", "a100")], slurmd_timeout_s=120)
+                            SlurmNode("node2", "a100")], slurmd_timeout_s=300)
     with cluster:
         inodes = _namespace_inodes(cluster)
         yield cluster
@@ -430,6 +438,8 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
             assert environ["HETERO_EVENTS_DIR"] == str(run_dir / "attempt-0-events")
 
     # A crashed node: node2's slurmd and everything in its namespace, after a checkpoint.
+    # node2 is the second node of component 0 (the A100s: the class with most nodes comes
+    # first), which Slurm cannot resize: it stays in the job, unused.
     _wait("a checkpoint", lambda: any(e.iteration >= 4 for e in of_kind(read_events(run_dir / "attempt-0-events"),
                                                                          CheckpointSaved)), 120, output)
     slurm.kill_node("node2")
@@ -439,8 +449,9 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
     attempts = record()["attempts"]
     assert attempts[0]["outcome"] == "failed" and attempts[0]["lost"] == ["node2"], attempts
     stopped_at = attempts[0]["ended"]
-    # The node comes back: the driver takes it in at the next checkpoint.
-    slurm.restart_node("node2")
+    # The node comes back, still in the job (Slurm has not declared it down): the driver
+    # takes it in at the next checkpoint.
+    slurm.restart_node("node2", wait=False)
     restarted_at = time.time()
     final = _wait("the job to end", lambda: record().get("outcome") and record(), 240, output)
     text = output.read_text()
@@ -453,8 +464,11 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
     assert [a["outcome"] for a in attempts] == ["failed", "readmit", "finished"], attempts
     assert [a["nodes"] for a in attempts] == [["node0", "node1", "node2"], ["node0", "node1"],
                                               ["node0", "node1", "node2"]]
-    assert "took node2 out of the allocation" in text
-    assert "took node2 back in an allocation of its own" in text
+    component_0 = final["components"][0]
+    assert component_0["device_type"] == "A100-80GB" and component_0["nodes"] == ["node1", "node2"]
+    assert (f"node2 stays in job {component_0['job_id']} (component 0), unused: once Slurm declares the node "
+            "down (SlurmdTimeout) it takes it out of its component") in text
+    assert "node2 answer again; re-planned with them" in text and "allocation of its own" not in text
     assert final["binding"] == {"node0": "node0", "node1": "node1", "node2": "node2"}
     plans = [Plan.load(a["plan"]) for a in attempts]
     assert plans[0].rank_order == [1, 0, 3, 2] and [s.num_layers for s in plans[0].stages] == [3, 1]
@@ -530,7 +544,7 @@ def test_one_job_loses_a_node_a_heterogeneous_one_cannot_and_the_driver_gives_up
     assert final["reason"] == "lost node1, and all 0 restarts are used (--max-restarts)"
     assert f"hetero-slurm: {final['reason']}" in output.read_text()
     assert f"took node1 out of the allocation (job {final['job_id']} keeps node0, node2)" in output.read_text()
-    assert [c["nodes"] for c in final["components"]] == [["node0"], ["node1", "node2"]]
+    assert [c["nodes"] for c in final["components"]] == [["node1", "node2"], ["node0"]]
     _wait("the job to end", lambda: subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True,
                                                    text=True).stdout == "", 30, output)
     assert_nothing_left(str(tmp_path))

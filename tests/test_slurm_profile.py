@@ -23,12 +23,12 @@ from conftest import live_command
 from hetero.errors import HeteroError
 from hetero.predict.costs import CostModel
 from hetero.predict.training_setup import TrainingSetup
-from hetero.spec import slurm_text
+from hetero.slurm import text as slurm_text
 from hetero.spec.cluster import Cluster
 from hetero.spec.model import ModelSpec
-from hetero.spec.profile_slurm import ProfileOptions, choose_nodes, compute_step, every_link, links_step
+from hetero.slurm.profile import ProfileOptions, choose_nodes, compute_step, every_link, links_step
 from hetero.spec.profiles import LinkProfile, Profiles
-from hetero.spec.slurm_steps import Step
+from hetero.slurm.steps import Step
 from test_profilers import TINY
 from test_slurm import _daemon_pids, _namespace_inodes, _need_root_and_slurm, assert_left_nothing
 

@@ -94,6 +94,7 @@ slow = pytest.mark.slow
 
 
 @slow
+@pytest.mark.core019
 def test_tp2_then_tp1_uneven_stages_unequal_replicas_permuted(tmp_path, llama_reference):
     plan = make_plan(1, 2, 2, [3, 1], [5, 3], [5, 0, 4, 1, 3, 2], stage_tp=[2, 1])
     result = run_pretrain(LLAMA_MODEL + TRAINING, nproc=6, plan=plan, tmp_path=tmp_path)

@@ -7,6 +7,9 @@ interface only (names, defaults, value kinds, group titles), never help texts or
     git -C /work/.mirror/NVIDIA+Megatron-LM/repo archive core_v0.16.1 | tar -x -C /tmp/mlm
     python tools/extract_megatron_flags.py /tmp/mlm --tag core_v0.16.1 \\
         > hetero/spec/megatron_lm_flags.json
+    # core_v0.19.0, with megatron-core 0.19.2 installed in .core019 (make test's)
+    PYTHONPATH=.core019 python tools/extract_megatron_flags.py /tmp/mlm019 --tag core_v0.19.0 \\
+        > hetero/spec/megatron_lm_flags.core_v0.19.0.json
 
 ``megatron.core`` is the installed megatron-core (same release as the tag); only
 ``megatron.training`` and ``megatron.post_training`` come from the checkout. pretrain_gpt.py
@@ -25,6 +28,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+import typing
 import unittest.mock
 from pathlib import Path
 from typing import Any
@@ -147,6 +151,8 @@ def _megatron_parser(checkout: Path) -> argparse.ArgumentParser:
     # After site-packages: megatron.core stays the installed release, megatron.training and
     # megatron.post_training come from the checkout (``megatron`` is a namespace package).
     sys.path.append(str(checkout))
+    if not hasattr(typing, "override"):  # Python 3.12's; core_v0.19.0's megatron.training imports it
+        typing.override = lambda function: function
     arguments = _import_stubbing_missing("megatron.training.arguments")
     parser = argparse.ArgumentParser(allow_abbrev=False)
     arguments.add_megatron_arguments(parser)
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     document = {
         "megatron_lm_tag": options.tag,
-        "megatron_core_version": megatron.core.__version__,
+        "megatron_core_version": megatron.core.__version__.split("+")[0],  # 0.17+ appends "+<git hash>"
         "program": "pretrain_gpt.py",
         "flags": facts,
     }

@@ -5,12 +5,13 @@
     python -m tools.patches_doc --print    # print the block
 
 The source is megatron/hetero/patches.py: its ``PATCHES`` tuple (``Patch(name=..., why=...,
-needed=..., apply=...)``) and ``TESTED_MEGATRON_CORE``. The file is read with ``ast`` and
+needed=..., apply=..., versions=...)``), and the tested releases of
+megatron/hetero/core_version.py (``TESTED_MEGATRON_CORE``). The files are read with ``ast`` and
 never imported: importing ``megatron.hetero`` imports megatron-core and torch. For each
 patch the block gives its name, when it applies (the ``needed`` predicate), what it
 changes (the megatron-core or torch attributes its ``apply`` function replaces, or the
-module it hands the work to), why, and the megatron-core versions it was written for.
-A string field added to ``Patch`` later (``what``, ``versions``) is used as written.
+module it hands the work to), why, and the megatron-core versions it was written for (every
+patch states them). A string field ``what`` is used as written.
 
 tests/test_docs.py checks that the committed block is what this renders.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES_FILE = REPO / "megatron" / "hetero" / "patches.py"
+VERSIONS_FILE = REPO / "megatron" / "hetero" / "core_version.py"
 DOC_FILE = REPO / "docs" / "compatibility.md"
 BEGIN = ("<!-- BEGIN generated patch list: `python -m tools.patches_doc` renders it from "
          "megatron/hetero/patches.py; do not edit by hand -->")
@@ -144,8 +146,7 @@ def read_patches(source: str | None = None) -> list[PatchDoc]:
     tree = ast.parse(PATCHES_FILE.read_text() if source is None else source)
     functions = _functions(tree)
     fields = _patch_fields(tree)
-    tested = _module_value(tree, "TESTED_MEGATRON_CORE")
-    default_versions = tuple(ast.literal_eval(tested)) if tested is not None else ()
+    tested = tested_releases()
     patches = _module_value(tree, "PATCHES")
     if not isinstance(patches, (ast.Tuple, ast.List)):
         raise ValueError(f"{PATCHES_FILE}: PATCHES is not a literal tuple of Patch(...)")
@@ -167,14 +168,29 @@ def read_patches(source: str | None = None) -> list[PatchDoc]:
         else:
             changes = []
         versions = given.get("versions")
+        if versions is None:
+            raise ValueError(f"{PATCHES_FILE}:{call.lineno}: the patch {name} states no versions=(...): "
+                             f"give the megatron-core releases it is written for ({', '.join(tested)})")
+        versions = tuple(ast.literal_eval(versions))
+        if not set(versions) <= set(tested):
+            raise ValueError(f"{PATCHES_FILE}:{call.lineno}: the patch {name} names an untested megatron-core "
+                             f"in {versions}: the tested ones are {', '.join(tested)} (core_version.py)")
         docs.append(PatchDoc(
             name=name,
             when=_condition(given["needed"], functions) if "needed" in given else "always",
             what=changes,
             why=" ".join((_string(given.get("why")) or "").split()),
-            versions=tuple(ast.literal_eval(versions)) if versions is not None else default_versions,
+            versions=versions,
         ))
     return docs
+
+
+def tested_releases() -> tuple[str, ...]:
+    """core_version.TESTED_MEGATRON_CORE, read without importing it."""
+    value = _module_value(ast.parse(VERSIONS_FILE.read_text()), "TESTED_MEGATRON_CORE")
+    if value is None:
+        raise ValueError(f"{VERSIONS_FILE}: no TESTED_MEGATRON_CORE")
+    return tuple(ast.literal_eval(value))
 
 
 # ---- the block ---------------------------------------------------------------------------
@@ -182,7 +198,9 @@ def read_patches(source: str | None = None) -> list[PatchDoc]:
 def render(source: str | None = None) -> str:
     """The generated block, markers included."""
     patches = read_patches(source)
-    lines = [BEGIN, "", f"{len(patches)} patches, in the order they are applied.", ""]
+    tested = tested_releases()
+    lines = [BEGIN, "", f"{len(patches)} patches, in the order they are applied; each under the tested "
+             f"megatron-core releases it names ({' and '.join(tested)} are tested).", ""]
     for patch in patches:
         lines += [
             f"### `{patch.name}`",

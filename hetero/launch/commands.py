@@ -3,7 +3,7 @@
     python -m hetero.launch plan.json -- --num-layers 32 ...      # print every node's command
     python -m hetero.launch plan.json --node-rank 1 --run -- ...  # run node 1's command here
                                                                   # (torchrun without its traceback)
-    python -m hetero.launch --slurm plan.json --submit -- ...     # a Slurm batch job (slurm/)
+    python -m hetero.launch --slurm plan.json --submit -- ...     # a Slurm batch job (hetero/slurm/submit/)
 
 torchrun numbers ranks node by node, so launch ranks of one host are consecutive (the
 plan validator insists on it) and node k runs launch ranks of the k-th host in the plan.
@@ -21,7 +21,7 @@ from typing import Sequence
 
 from hetero import env as hetero_env
 from hetero.errors import HeteroError
-from hetero.launch import slurm
+from hetero.slurm import submit as slurm
 from hetero.plan import Plan
 
 
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="run the command of --node-rank here")
     parser.add_argument("--slurm", action="store_true",
                         help="write (--submit: and submit) a Slurm batch script whose driver runs and "
-                             "keeps the job alive (hetero/launch/slurm/)")
+                             "keeps the job alive (hetero/slurm/submit/)")
     slurm.add_arguments(parser)
     options = parser.parse_args(argv)
     if options.slurm or slurm.slurm_options_given(options):

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 from hetero.events import Event, LostRanks, of_kind
-from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
-from hetero.jobs import plan_for_recorded_job
+from hetero.launch.recovery import InProcessSupervisor
+from hetero.launch.replan import (cluster_without, predicted_tokens_per_s, replan, reshape_cluster_spec,  # noqa: F401
+                                  speed_text)
 from hetero.plan import Plan
 
 
@@ -69,48 +70,6 @@ def lost_hosts(result: AttemptResult, plan: Plan) -> set[str]:
     return lost & {host for host, _ in plan.hosts()}
 
 
-def reshape_cluster_spec(spec: dict, node_for: Callable[[str, dict], dict | None]) -> dict:
-    """A cluster spec (its dict) host by host: each host's entry (a host_prefix entry counts
-    as its hosts) becomes node_for(host name, the entry's other settings), a one-host node,
-    or goes when that is None. Groups left empty and their links go too."""
-    groups = []
-    for group in spec["groups"]:
-        nodes = []
-        for node in group["nodes"]:
-            names = ([node["host"]] if node.get("host") else
-                     [f"{node['host_prefix']}{i}" for i in range(node.get("num_nodes", 1))])
-            base = {k: v for k, v in node.items() if k not in ("host", "host_prefix", "num_nodes")}
-            nodes += [entry for entry in (node_for(name, base) for name in names) if entry is not None]
-        if nodes:
-            groups.append({**group, "nodes": nodes})
-    kept = {g["name"] for g in groups}
-    links = [link for link in spec.get("inter_group", []) if set(link["between"]) <= kept]
-    return {**spec, "groups": groups, "inter_group": links}
-
-
-def cluster_without(cluster: Cluster, hosts: set[str]) -> Cluster:
-    """The cluster less some nodes (groups left empty and their links go too)."""
-    spec = reshape_cluster_spec(cluster.to_dict(),
-                                lambda name, base: None if name in hosts else {**base, "host": name})
-    if not spec["groups"]:
-        raise HeteroError("every node of the cluster is lost; nothing to re-plan on")
-    return Cluster.from_dict(spec, f"{cluster.source} without {', '.join(sorted(hosts))}")
-
-
-def replan(plan: Plan, lost: set[str]) -> Plan:
-    """The same job (model, precision, global batch, search space) on the surviving nodes."""
-    missing = [name for name in ("cluster", "model", "training") if getattr(plan, name) is None]
-    if missing:
-        raise HeteroError(f"the plan has no {', '.join(missing)} section; --elastic needs a plan "
-                          "written by hetero-plan (it re-plans the same job on the survivors)")
-    cluster = cluster_without(Cluster(plan.cluster, "the plan's cluster"), lost)
-    return plan_for_recorded_job(plan, cluster)
-
-
-def predicted_tokens_per_s(plan: Plan) -> float | None:
-    return plan.prediction.tokens_per_s if plan.prediction is not None else None
-
-
 def with_load(train_args: Sequence[str], plan: Plan | None = None) -> list[str]:
     """The flags of a resumed attempt: --load the directory the job saves to; with the plan
     it resumes under, the --make-vocab-size-divisible-by that keeps the trained vocabulary at
@@ -142,8 +101,6 @@ def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, r
     """Runs the job, re-planning after every lost node; returns the final exit code. With
     --inprocess-restart among the training flags the survivors carry on in their processes
     (hetero.launch.recovery); a restart from the last checkpoint is the fallback."""
-    from hetero.launch.recovery import InProcessSupervisor
-
     plan = Plan.load(plan_path)
     in_process = "--inprocess-restart" in train_args
     if not in_process:
@@ -192,7 +149,3 @@ def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, r
         plan, args = new_plan, with_load(train_args, new_plan)
     return 1
 
-
-def speed_text(value: float | None) -> str:
-    """A predicted speed for a log line (tokens/s; `?` when the plan has no prediction)."""
-    return f"{value:,.0f}" if value is not None else "?"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from hetero.errors import HeteroError
-from hetero.launch.elastic import predicted_tokens_per_s, replan, speed_text
+from hetero.launch.replan import predicted_tokens_per_s, replan, speed_text
 from hetero.launch.inprocess import Rejoin, finished, place, ready
 from hetero.plan import Plan
 

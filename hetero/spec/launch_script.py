@@ -17,8 +17,9 @@ and arrays and pass them on one torchrun/python line. Read here, without running
   arguments, up to redirections.
 
 Not read: ``$(command)`` and backticks, loops, ``case``, functions, ``source``d files. A
-variable set there (or an unset one) is an error only when the pretrain_gpt.py line uses it,
-and the error names it with the line it was set on.
+variable set there is an error only when the pretrain_gpt.py line uses it, and the error names
+it with the line it was set on. A variable or array set nowhere expands to nothing, as bash
+expands it, and is noted (``notes`` of pretrain_flags_of_script).
 
 This module runs the statements (if/elif/else blocks, ``&&``/``||``, assignments) and finds the
 pretrain_gpt.py line; the script's text is split into lines, statements and words by
@@ -73,6 +74,7 @@ class _Reader(Expander):
 
     def run(self, text: str, number: int, after: str) -> None:
         """A statement, after ``&&`` or ``||`` only as the status before it decides."""
+        self.line = number
         if after in ("&&", "||") and self._running() is not False:
             runs = None if self.status is None else (self.status if after == "&&" else not self.status)
             if runs is False:
@@ -194,9 +196,11 @@ class _Reader(Expander):
 
 
 def pretrain_flags_of_script(path: str | os.PathLike, arguments: Sequence[str] = (),
-                             environ: Mapping[str, str] | None = None) -> list[str]:
+                             environ: Mapping[str, str] | None = None,
+                             notes: list[str] | None = None) -> list[str]:
     """The arguments the launch script at ``path`` passes to pretrain_gpt.py when run with
-    ``arguments`` in ``environ`` (default: this process's environment)."""
+    ``arguments`` in ``environ`` (default: this process's environment). ``notes``, when given,
+    receives what the user should know ('PATH:LINE: $NAME is set nowhere ...')."""
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -213,4 +217,6 @@ def pretrain_flags_of_script(path: str | os.PathLike, arguments: Sequence[str] =
         lines = ", ".join(str(number) for number, _ in reader.found)
         raise HeteroError(f"{path}: {PROGRAM} runs on several lines ({lines}); keep one, or give the flags "
                           "after `--` instead")
+    if notes is not None:
+        notes.extend(f"{path}:{note.removeprefix('line ')}" for note in reader.notes)
     return reader.found[0][1]

@@ -4,7 +4,9 @@ Expander holds the script's variables, its arguments and the environment, and ex
 ``$NAME``, ``${NAME}``, arrays (``${NAME[@]}``, ``${NAME[i]}``, ``${#NAME[@]}``), defaults
 (``${NAME:-default}`` / ``:=`` / ``:+`` / ``:?``) and ``$((arithmetic))``; it evaluates the
 ``[ ]``/``[[ ]]`` tests of ``if`` conditions. ``$(command)`` and backticks are not read: a value
-that cannot be known raises Unreadable (hetero/spec/shell_words.py).
+that cannot be known raises Unreadable (hetero/spec/shell_words.py). A variable or array set
+nowhere (not in the script, its arguments or the environment) expands to nothing, as in bash,
+and is noted (``notes``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Expander:
     variables: dict[str, object] = field(default_factory=dict)
     lenient: bool = False
     """In conditions an unset variable is empty, as in bash (``[ -z "$X" ]`` tests that)."""
+    line: int = 0
+    """The line being read (for the notes)."""
+    notes: list[str] = field(default_factory=list)
+    """The unset variables expanded outside conditions: 'line N: $NAME ...', each once."""
 
     def _lookup(self, name: str) -> object:
         if name.isdigit():
@@ -79,10 +85,14 @@ class Expander:
                 value = "" if unset else self.word_value(word)
             elif kind == "?" and unset:
                 raise Unreadable(f"${name} ({word or 'not set'})")
-        if value is None and self.lenient:
-            value = ""
         if value is None:
-            raise Unreadable(f"${name} (not set in the script, its arguments or the environment)")
+            if not self.lenient:
+                shown = f"${{{name}[{index}]}}" if index is not None else f"${name}"
+                note = (f"line {self.line}: {shown} is set nowhere (not in the script, its arguments or "
+                        "the environment): it expands to nothing, as in bash")
+                if note not in self.notes:
+                    self.notes.append(note)
+            value = [] if index is not None and index in "@*" else ""
         if length:
             return str(len(value))
         return value

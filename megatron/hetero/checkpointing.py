@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hetero import events
 from hetero.errors import HeteroError
@@ -71,6 +72,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 from megatron.hetero.batch_schedule import BatchSchedule
+from megatron.hetero.core_compat import async_save_options, write_common_beside
 from megatron.hetero.checkpoint_manifest import (
     complete_iterations,
     fsync_tree,
@@ -309,6 +311,36 @@ def _failures_everywhere(failure: str | None, what: str) -> None:
             raise HeteroError(f"{what} failed on rank {rank}: {message}")
 
 
+# What gloo, NCCL and torch's process groups say when the other end of a collective is gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+              "gloo", "NCCL", "ProcessGroup", "Socket Timeout", "timed out")
+
+
+def _lost_peer_error(err: BaseException) -> RuntimeError | None:
+    """The communication error behind a failed save, if it is one: a torch.distributed error
+    or a RuntimeError in gloo's/NCCL's words, raised here or by any rank's write (torch's
+    CheckpointException carries each failed rank's). A full or read-only disk is an OSError,
+    or a RuntimeError of torch's file writer that names no peer."""
+    found: list[BaseException] = []
+    pending: list[BaseException] = [err]
+    while pending and len(found) < 32:
+        error = pending.pop()
+        found.append(error)
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():  # rank -> (exception, traceback)
+                failure = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(failure, BaseException):
+                    pending.append(failure)
+        pending += [e for e in (error.__cause__, error.__context__) if e is not None and e not in found]
+    for error in found:
+        if isinstance(error, dist.DistError) or (
+                isinstance(error, RuntimeError) and not isinstance(error, OSError)
+                and any(marker in str(error) for marker in _PEER_GONE)):
+            return error
+    return None
+
+
 def _describe(err: BaseException, root: str | None = None) -> str:
     text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
     return f"{type(err).__name__}: {text}{_disk_state(root) if root else ''}"
@@ -340,6 +372,7 @@ def _prepare_staging(root: str, staging: Path) -> None:
 
 def _publish(root: str, iteration: int, staging: Path, final: Path, plan: Plan) -> None:
     """Rank 0, once every rank's data is in staging: manifest, rename, then the tracker."""
+    write_common_beside(staging)  # megatron-core 0.17+: readable by a 0.16 runtime too
     write_json_atomic(staging / "hetero_plan.json", plan.to_dict())
     write_manifest(staging)
     fsync_tree(staging)
@@ -460,10 +493,18 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
             validate = not (args.ckpt_assume_constant_structure and _CONSTANT_STRUCTURE_STRATEGY is not None)
             request = dist_checkpointing.save(state, str(staging), _save_strategy(args),
                                               async_sharded_save=background, content_metadata=metadata,
-                                              validate_access_integrity=validate)
-    except Exception as err:
+                                              validate_access_integrity=validate,
+                                              **(async_save_options() if background else {}))
+    except (Exception, CheckpointException) as err:
         # Not always raised on every rank (the coordinator writes some files alone, while
         # the others wait in megatron-core's gather): the caller publishes it to the job.
+        # torch's CheckpointException is a BaseException: megatron-core 0.17+ raises it from
+        # its synchronous save when a rank's write failed (a full or read-only disk).
+        peer = _lost_peer_error(err)
+        if peer is not None:
+            # A peer lost in the middle of the write (its process or node gone): not a disk
+            # problem but a lost rank, which the job's watchdog names (training.run).
+            raise peer from None
         raise HeteroError(f"{what} failed on rank {dist.get_rank()}: {_describe(err, root)}") from None
     layout = _layout_text(sizes)
 

@@ -21,6 +21,7 @@ Nothing here is active on a process that has a GPU.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -269,6 +270,13 @@ def substitute_gpu_choices(args: Any, kernel_flags: list[str]) -> list[str]:
     if args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"
         done.append("--distributed-backend nccl -> gloo")
+    if getattr(args, "profile", False) and not args.use_pytorch_profiler:
+        # Megatron-LM's --profile alone opens an nsys capture range through CUDA's profiler API;
+        # torch.profiler (its --use-pytorch-profiler) profiles the same iterations on the CPU.
+        args.use_pytorch_profiler = True
+        args.profile_trace_dir = args.tensorboard_dir or os.path.abspath("profile")
+        done.append(f"--profile (an nsys capture range) -> torch.profiler, as with --use-pytorch-profiler "
+                    f"(its trace in {args.profile_trace_dir})")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
         args.cross_entropy_fusion_impl = "native"
         done.append("--cross-entropy-fusion-impl te -> native (megatron-core's own fused "

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import signal
-from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
@@ -132,9 +131,10 @@ def build_tokenizer(args: argparse.Namespace):
     check_tokenizer(args)
     if args.tokenizer_type == "NullTokenizer":
         return NullTokenizer(args.vocab_size)
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as build
+    from megatron.hetero.core_compat import core_build_tokenizer, tokenizer_options
 
-    options = SimpleNamespace(
+    build = core_build_tokenizer()
+    options = tokenizer_options(
         tokenizer_type=args.tokenizer_type,
         vocab_size=args.vocab_size,
         vocab_file=args.vocab_file,

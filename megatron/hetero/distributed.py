@@ -274,8 +274,15 @@ group is a gloo group already and none applies (cpu_device.substitute_gpu_choice
 
 
 def group_options(args) -> dict:
-    """megatron-core's initialize_model_parallel arguments the flags give."""
-    return {name: getattr(args, dest) for name, (_, dest, _) in GROUP_OPTION_FLAGS.items()}
+    """megatron-core's initialize_model_parallel arguments the flags give, those the installed
+    release takes: from 0.17 on --create-all-gather-group is no argument of it (Megatron-LM
+    builds those groups for Megatron-FSDP only, which the runtime refuses)."""
+    import inspect
+
+    from megatron.core import parallel_state
+
+    accepted = inspect.signature(parallel_state.initialize_model_parallel).parameters
+    return {name: getattr(args, dest) for name, (_, dest, _) in GROUP_OPTION_FLAGS.items() if name in accepted}
 
 
 def initialize(

@@ -24,6 +24,11 @@ import_megatron_core()  # megatron-core's first import defers its import-time to
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+# The tracker's per-layer sums: megatron-core 0.17+ keeps each layer's loss, correct and total
+# predictions (its acceptance rates) under these names; 0.16 kept the loss as "values".
+_TRACKED = (("loss_values", "correct_values", "total_values")
+            if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker") else ("values",))
+
 
 class MTPMetrics:
     """Collects the multi-token-prediction losses of one iteration (a collective: every rank
@@ -35,9 +40,9 @@ class MTPMetrics:
     def collect(self, iteration: int, data_parallel_size: int, total_micro_batches: int,
                 tensorboard=None, wandb=None) -> dict[str, float]:
         tracker = MTPLossLoggingHelper.tracker
-        if "values" not in tracker:  # a rank without MTP layers adds zeros
-            device = compute_device()
-            tracker["values"] = torch.zeros(self.num_layers, device=device)
+        for key in _TRACKED:
+            if key not in tracker:  # a rank without MTP layers adds zeros
+                tracker[key] = torch.zeros(self.num_layers, device=compute_device())
         tracker["reduce_group"] = parallel_state.get_pipeline_model_parallel_group()
         tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
         totals: dict = {}

@@ -1,7 +1,8 @@
 """Every change Megatron-Hetero makes to the installed megatron-core, in one place.
 
 Run ``python -m megatron.hetero.patches`` to list them. Each patch is small, named, says
-why it exists, and is applied only by ``apply_patches`` after the version check.
+why it exists and which megatron-core releases it is written for (``versions``), and is
+applied only by ``apply_patches`` after the version check (core_version.py).
 
 What needs no patch, and why:
 - the plan's rank order: the process that the plan puts at logical rank i joins the
@@ -17,14 +18,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from hetero import env
 from hetero.errors import HeteroError
-
-TESTED_MEGATRON_CORE = ("0.16.1",)
+from megatron.hetero.core_version import (
+    ALLOW_UNTESTED_FLAG,
+    TESTED_MEGATRON_CORE,
+    check_megatron_core_version,
+    patches_release,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class Patch:
     why: str
     needed: Callable[[], bool]
     apply: Callable[[], object]
+    # The megatron-core releases (of TESTED_MEGATRON_CORE) it is written for and tested with;
+    # under another tested release it is not applied.
+    versions: tuple[str, ...]
 
 
 def _no_gpu() -> bool:
@@ -182,7 +188,11 @@ def _apply_checkpoint_queue_dies_with_rank() -> object:
     from torch import multiprocessing as mp
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def write_results_queue():
+    # megatron-core 0.17+ names it get_write_results_queue(mp_mode="spawn") (0.16: _get_...).
+    name = ("get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue")
+            else "_get_write_results_queue")
+
+    def write_results_queue(*args, **kwargs):
         if filesystem_async._results_queue is None:
             manager = SyncManager(ctx=mp.get_context("fork" if _no_gpu() else "spawn"))
             manager.start(_server_dies_with_rank, (os.getpid(),))
@@ -190,7 +200,7 @@ def _apply_checkpoint_queue_dies_with_rank() -> object:
             filesystem_async._results_queue_manager = manager  # keeps the server alive
         return filesystem_async._results_queue
 
-    filesystem_async._get_write_results_queue = write_results_queue
+    setattr(filesystem_async, name, write_results_queue)
     return write_results_queue
 
 
@@ -207,6 +217,14 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 _writer_parent_pid: int | None = None  # set in the rank just before it forks its writers
+
+
+def _checkpoint_writers_are_processes() -> bool:
+    """megatron-core 0.16 forks a writer process per write bucket; 0.17+ writes with threads
+    of the process that saves (write_preloaded_data_multithread), which go with it."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    return hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc")
 
 
 def _apply_checkpoint_writers_die_with_rank() -> object:
@@ -579,6 +597,46 @@ def _apply_uneven_sequence_gather_on_gloo() -> object:
     return gather_along_first_dim
 
 
+
+_SNAPSHOT = {"taking": False}
+
+
+def snapshot_in_progress():
+    """A context in which the distributed optimizer's sharded state dict is built for an
+    in-memory snapshot (restart.py): patch ``optimizer-state-for-snapshots``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def taking():
+        _SNAPSHOT["taking"] = True
+        try:
+            yield
+        finally:
+            _SNAPSHOT["taking"] = False
+
+    return taking()
+
+
+def _apply_optimizer_state_for_snapshots() -> object:
+    import gc
+
+    from megatron.core.optimizer import distrib_optimizer
+
+    class _Collector:
+        """distrib_optimizer's ``gc``: its full collection, but a young one while a snapshot
+        is taken (every iteration: a full one costs ~0.2 s with megatron-core loaded)."""
+
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+        @staticmethod
+        def collect(generation: int = 2) -> int:
+            return gc.collect(0 if _SNAPSHOT["taking"] else generation)
+
+    distrib_optimizer.gc = _Collector()
+    return distrib_optimizer.gc
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cuda-as-cpu",
@@ -588,6 +646,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_cpu_device,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="cuda-as-cpu-in-backward",
@@ -599,6 +658,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_cpu_device_in_backward,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="distributed-optimizer-load-without-apex",
@@ -614,6 +674,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_torch_adam_fallback,
         apply=_apply_distributed_optimizer_load,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="distributed-optimizer-reshardable-offsets",
@@ -626,6 +687,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_reshardable_offsets,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="checkpoint-results-queue-dies-with-rank",
@@ -638,6 +700,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_checkpoint_queue_dies_with_rank,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="checkpoint-writers-die-with-rank",
@@ -645,10 +708,12 @@ PATCHES: tuple[Patch, ...] = (
             "megatron-core forks one writer process per checkpoint write bucket; a rank stopped "
             "mid-save (a lost peer, SIGTERM) left its writers blocked forever on the results "
             "queue's lock, holding the rank's memory (seen after the fault tests). Each writer "
-            "now gets SIGKILL when its rank ends (PR_SET_PDEATHSIG), or exits if it already has"
+            "now gets SIGKILL when its rank ends (PR_SET_PDEATHSIG), or exits if it already has. "
+            "Not needed from megatron-core 0.17 on, whose writers are threads"
         ),
-        needed=lambda: True,
+        needed=_checkpoint_writers_are_processes,
         apply=_apply_checkpoint_writers_die_with_rank,
+        versions=("0.16.1",),
     ),
     Patch(
         name="moe-router-without-te",
@@ -659,6 +724,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_moe_router_without_te,
         apply=_apply_moe_router_without_te,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="zero-centered-gamma-torch-norm",
@@ -670,6 +736,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_torch_norm_lacks_zero_centered_gamma,
         apply=_apply_zero_centered_torch_norm,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="sequence-parallel-torch-norm",
@@ -681,6 +748,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_torch_norm_in_use,
         apply=_apply_sequence_parallel_torch_norm,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="jit-fusions-compiled-on-first-call",
@@ -694,6 +762,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_jit_fusions_compiled_on_first_call,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="schedule-step-timing",
@@ -704,6 +773,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_schedule_trace,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="parallel-state-groups-from-per-stage-grid",
@@ -717,6 +787,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_plan_rank_generator,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="p2p-reshards-between-stage-degrees",
@@ -729,6 +800,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_resharding_p2p,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="grad-stats-agree-across-templates",
@@ -741,6 +813,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_grad_stats_agree_across_templates,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="alltoall-split-sizes-on-cpu",
@@ -751,6 +824,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_host_split_sizes,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="overlapped-pipeline-sends-finished",
@@ -764,6 +838,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_overlapped_sends_kept,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="local-attention-separate-value-head",
@@ -778,6 +853,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_local_attention_separate_value_head,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="yarn-rope-tables-on-cpu",
@@ -789,6 +865,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_yarn_rope_on_cpu,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="mla-knows-transformer-engine-missing",
@@ -802,6 +879,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_transformer_engine_missing,
         apply=_apply_mla_knows_transformer_engine_missing,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="uneven-sequence-gather-on-gloo",
@@ -816,6 +894,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=_no_gpu,
         apply=_apply_uneven_sequence_gather_on_gloo,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="mtp-stage-without-output-weight",
@@ -831,6 +910,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_mtp_stage_without_output_weight,
+        versions=("0.16.1", "0.19.2"),
     ),
     Patch(
         name="local-attention-context-parallel",
@@ -844,48 +924,67 @@ PATCHES: tuple[Patch, ...] = (
         ),
         needed=lambda: True,
         apply=_apply_local_attention_context_parallel,
+        versions=("0.16.1", "0.19.2"),
+    ),
+    Patch(
+        name="optimizer-state-for-snapshots",
+        why=(
+            "the distributed optimizer's fully reshardable state dict ends with a full garbage "
+            "collection (for runs with the collector disabled), ~0.2 s with megatron-core loaded: "
+            "most of an in-memory snapshot's cost when one is taken every iteration "
+            "(--inprocess-restart). While a snapshot is taken it collects the youngest generation "
+            "only; checkpoints keep the full collection"
+        ),
+        needed=lambda: True,
+        apply=_apply_optimizer_state_for_snapshots,
+        versions=("0.16.1", "0.19.2"),
     ),
 )
 
 _applied: list[str] = []
 
 
-def check_megatron_core_version() -> str:
-    from megatron.core.package_info import __version__
-
-    if __version__ not in TESTED_MEGATRON_CORE:
-        message = (
-            f"megatron-core {__version__} is installed but Megatron-Hetero's patches were "
-            f"written and tested against {', '.join(TESTED_MEGATRON_CORE)}; install "
-            f"megatron-core=={TESTED_MEGATRON_CORE[-1]}"
-        )
-        if not env.allow_untested_megatron_core():
-            raise HeteroError(message + f" (or set {env.ALLOW_UNTESTED_MEGATRON_CORE}=1 to try)")
-        warnings.warn(message)
-    return __version__
+def patches_for(version: str) -> tuple[Patch, ...]:
+    """The patches written for ``version``'s tested release (core_version.patches_release)."""
+    release = patches_release(version)
+    return tuple(patch for patch in PATCHES if release in patch.versions)
 
 
-def apply_patches() -> list[str]:
-    """Applies the patches this process needs, once; returns their names."""
+def apply_patches(allow_untested: bool = False) -> list[str]:
+    """Checks the installed megatron-core's release (core_version), then applies the patches
+    written for it that this process needs, once; returns their names. ``allow_untested``:
+    the user's --hetero-allow-untested-megatron-core."""
     if not _applied:
         import_megatron_core()  # the version check imports it: its compiles deferred first
-        check_megatron_core_version()
-        for patch in PATCHES:
-            if patch.needed():
+        version = check_megatron_core_version(allow_untested)
+        for patch in patches_for(version):
+            if not patch.needed():
+                continue
+            try:
                 patch.apply()
-                _applied.append(patch.name)
+            except (AttributeError, ImportError) as err:  # what it replaces moved or is gone
+                raise HeteroError(
+                    f"the patch {patch.name} does not apply to megatron-core {version} ({err}); it is "
+                    f"written for megatron-core {', '.join(patch.versions)}: install one of those"
+                ) from err
+            _applied.append(patch.name)
     return list(_applied)
 
 
-def describe() -> str:
+def describe(allow_untested: bool = False) -> str:
     import_megatron_core()
-    version = check_megatron_core_version()
-    lines = [f"megatron-core {version}: patches applied by megatron.hetero.patches.apply_patches()"]
+    version = check_megatron_core_version(allow_untested)
+    mine = patches_for(version)
+    lines = [f"megatron-core {version} (tested: {', '.join(TESTED_MEGATRON_CORE)}): patches applied by "
+             "megatron.hetero.patches.apply_patches()"]
     for patch in PATCHES:
-        state = "applies here" if patch.needed() else "not needed here"
+        if patch not in mine:
+            state = f"for megatron-core {', '.join(patch.versions)} only"
+        else:
+            state = "applies here" if patch.needed() else "not needed here"
         lines.append(f"- {patch.name} ({state}): {patch.why}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(describe())
+    print(describe(allow_untested=ALLOW_UNTESTED_FLAG in sys.argv[1:]))

@@ -34,6 +34,7 @@ from hetero.launch.inprocess import CONTROL_DIR, REJOIN, Rejoin, place, report_r
 from hetero.plan import Plan
 from megatron.hetero import snapshots
 from megatron.hetero.log import print_rank_0
+from megatron.hetero.patches import snapshot_in_progress
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
 
 
@@ -85,8 +86,9 @@ class InProcessRestart:
         from megatron.hetero.checkpointing import state_for_memory
 
         start = time.perf_counter()
-        sharded, common = save_preprocess(state_for_memory(model, optimizer, scheduler, self.args, loading=False),
-                                          validate_access_integrity=False)
+        with snapshot_in_progress():
+            state = state_for_memory(model, optimizer, scheduler, self.args, loading=False)
+        sharded, common = save_preprocess(state, validate_access_integrity=False)
         self.store.add(snapshots.take(sharded, common, iteration))
         send_to, receive_from = buddies(plan, dist.get_rank(), self.replicas)
         self.store.replicate(send_to, receive_from)
@@ -182,6 +184,7 @@ def teardown() -> None:
     from megatron.hetero import distributed, stage_tensor_parallel, template_reduction
     from megatron.hetero.identity import set_this_rank
 
+    _shut_connections()
     stage_tensor_parallel.use_plan_grid(None)
     template_reduction.forget()
     set_this_rank(None)
@@ -191,6 +194,28 @@ def teardown() -> None:
     distributed.forget_rendezvous()
     get_cuda_rng_tracker().reset()
     gc.collect()
+
+
+def _shut_connections() -> None:
+    """Shuts every TCP connection of this process (gloo's and the old store's): a peer still
+    blocked on one in a collective of the old plan fails at once and follows into the
+    recovery. gloo has no abort, and its sockets stay open while anything still refers to a
+    process group (megatron-core's buffers keep some alive until collected)."""
+    import socket
+
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            duplicate = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # not a socket
+        try:
+            if duplicate.family in (socket.AF_INET, socket.AF_INET6) and duplicate.type == socket.SOCK_STREAM \
+                    and not duplicate.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                duplicate.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected
+        finally:
+            duplicate.close()
 
 
 def launch_environment(rejoin: Rejoin, where: str) -> dict | None:

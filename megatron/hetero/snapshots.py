@@ -81,12 +81,14 @@ class Snapshot:
 def take(sharded_state: dict, common: dict, iteration: int) -> Snapshot:
     """This rank's snapshot of a sharded state dict (hetero's checkpoint state, preprocessed
     by megatron-core's save_preprocess: factories applied, common part apart)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     snapshot = Snapshot(iteration, dist.get_rank(), socket.gethostname(), common=common)
     for value in nested_values(sharded_state):
-        if isinstance(value, ShardedTensor) and value.data is not None:
+        # Kept by one rank, as a checkpoint writes it once: the data-parallel replicas'
+        # identical copies add no safety the copies on other nodes do not give.
+        if isinstance(value, ShardedTensor) and value.data is not None and is_main_replica(value.replica_id):
             box = box_of(value)
             if box not in snapshot.pieces:
                 snapshot.pieces[box] = value.data.detach().to("cpu", copy=True).reshape(box.shape)
@@ -105,6 +107,9 @@ class SnapshotStore:
     def __init__(self) -> None:
         self.own: dict[int, Snapshot] = {}
         self.copies: dict[int, dict[int, Snapshot]] = {}
+        # What every rank's snapshot holds (boxes, dtypes), the same at every iteration of
+        # one plan: exchanged at the first snapshot under each plan (None: not yet).
+        self.layouts: list | None = None
 
     def held(self, iteration: int | None = None) -> list[Snapshot]:
         """Every snapshot held (of ``iteration`` only, when given)."""
@@ -139,10 +144,15 @@ class SnapshotStore:
         point-to-point messages in one agreed order; the metadata with them."""
         own = self.own[self.newest]
         boxes = sorted(own.pieces, key=_box_order)
-        header = {"iteration": own.iteration, "host": own.host, "common": own.common,
-                  "boxes": boxes, "dtypes": [str(own.pieces[b].dtype) for b in boxes]}
-        headers: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(headers, header, group=group)
+        header = {"host": own.host, "boxes": boxes, "dtypes": [str(own.pieces[b].dtype) for b in boxes]}
+        if self.layouts is None:  # the first snapshot under this plan (every rank alike)
+            self.layouts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(self.layouts, header, group=group)
+        else:
+            # Every rank finished its previous snapshot before any copies this one (what the
+            # two generations kept rely on); the metadata is known.
+            dist.barrier(group=group)
+        headers = self.layouts
         ops = []
         received: dict[int, dict[Box, torch.Tensor]] = {}
         for peer in send_to:
@@ -154,9 +164,9 @@ class SnapshotStore:
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         # kept only once every copy arrived: a half-received generation is no copy at all
-        self.copies[own.iteration] = {peer: Snapshot(headers[peer]["iteration"], peer, headers[peer]["host"],
-                                                     received[peer], headers[peer]["common"])
-                                      for peer in receive_from}
+        # The common state (iteration, scheduler, counters) is the same on every rank: this one's.
+        self.copies[own.iteration] = {peer: Snapshot(own.iteration, peer, headers[peer]["host"], received[peer],
+                                                     own.common) for peer in receive_from}
 
 
 def _dtype(name: str) -> torch.dtype:

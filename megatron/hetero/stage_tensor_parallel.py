@@ -100,6 +100,13 @@ def plan_rank_generator(original: type) -> type:
         def get_ranks(self, token):
             if _plan is None:
                 return super().get_ranks(token)
+            # megatron-core 0.17+ puts generalized TP's weight-sharding axis in every grid
+            # ("tp-gtp_remat-pp", ...); a plan has none, so it is an axis of size 1.
+            assert getattr(self, "gtp_remat", 1) == 1, "generalized tensor parallelism under a plan"
+            axes = [axis for axis in token.split("-") if axis != "gtp_remat"]
+            if not axes:
+                return [[rank] for rank in range(dist.get_world_size())]
+            token = "-".join(axes)
             if self.ep > 1:
                 return expert_rank_groups(_plan, token)
             return rank_groups(_plan, token)

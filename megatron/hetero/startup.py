@@ -94,6 +94,11 @@ def quiet_expected_warnings(launch_rank: int) -> None:
     warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
     warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
     warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*")
+    # megatron-core 0.19 at import (its MIMO package) and at every GPTModel it builds (HybridModel
+    # is upstream's successor; Megatron-LM 0.19's pretrain_gpt.py still builds GPTModel).
+    warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental.*")
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
+        lambda record: "GPTModel IS DEPRECATED" not in record.getMessage())
     if not torch.cuda.is_available():
         # On the CPU the tensor-parallel "cuda" RNG is the CPU generator, so every dropout
         # inside its fork trips megatron-core's check that the CPU state did not change.
@@ -338,12 +343,13 @@ def model_spec_of_flags(flags: Sequence[str]) -> ModelSpec:
 # ----- 3. megatron-core ------------------------------------------------------------------
 
 
-def start_megatron_core() -> list[str]:
-    """Imports megatron-core (its import-time compiles deferred) and applies the patches
-    this process needs (patches.py); returns their names."""
+def start_megatron_core(allow_untested: bool = False) -> list[str]:
+    """Imports megatron-core (its import-time compiles deferred), checks its release and
+    applies the patches this process needs (patches.py); returns their names.
+    ``allow_untested``: --hetero-allow-untested-megatron-core."""
     from megatron.hetero.patches import apply_patches
 
-    return apply_patches()
+    return apply_patches(allow_untested)
 
 
 # ----- 4. process groups -----------------------------------------------------------------

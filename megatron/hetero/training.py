@@ -821,8 +821,9 @@ class Trainer:
 
 
 def _print_setup(args: argparse.Namespace, plan: Plan, plan_source: str | None, patches: list[str],
-                 schedule: BatchSchedule) -> None:
-    print_rank_0(arguments_block(args))
+                 schedule: BatchSchedule, again: bool = False) -> None:
+    if not again:  # an in-process restart's flags are the job's: printed once
+        print_rank_0(arguments_block(args))
     print_rank_0(
         f"using world size: {plan.world_size}, data-parallel size: {plan.data_parallel}, "
         f"context-parallel size: {plan.context_parallel}, " + _model_parallel_sizes(plan))
@@ -879,6 +880,8 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     if restart is not None and restart.joining:  # a returned node's process: the job restores it
         rejoin = wait_for_rejoin(restart.control_dir, restart.epoch, timeout_s=args.inprocess_barrier_timeout)
     while True:
+        if restart is not None:
+            restart.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
         ctx = startup.init_distributed(args, plan, plan_source)
         watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                             exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None,
@@ -905,6 +908,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
             watchdog.finish()
             torch.distributed.destroy_process_group()
             if restart is not None:
+                events.emit(events.SnapshotCost(seconds=restart.snapshot_seconds, host_bytes=restart.store.nbytes))
                 report_finished(restart.control_dir, restart.epoch, where)
             return
         watchdog.stop()
@@ -983,7 +987,7 @@ def _train(args: argparse.Namespace, plan: Plan, plan_source: str | None, ctx: R
            patches: list[str], start_time: float, exit_requested: Callable[[], bool] | None,
            restart: InProcessRestart | None = None, rejoin: Rejoin | None = None) -> Outcome:
     schedule = BatchSchedule(plan, args.rampup_batch_size)
-    _print_setup(args, plan, plan_source, patches, schedule)
+    _print_setup(args, plan, plan_source, patches, schedule, again=rejoin is not None)
     if args.disable_jit_fuser:
         disable_jit_fuser()
     load_dir = checkpoint_to_load(args)

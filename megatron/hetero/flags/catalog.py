@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Flags of ours that Megatron-LM does not have.
-HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--hetero-snapshot-replicas", "--local_rank")
+HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--hetero-snapshot-replicas",
+                "--hetero-allow-untested-megatron-core", "--local_rank")
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,11 @@ THEMES: dict[str, Theme] = {
                     "not supported - remove it"),
     "removed": Theme("removed from Megatron-LM", "removed from Megatron-LM (its parser still "
                      "knows the name only to refuse it)", "remove it"),
+    # Only for the flags of a later Megatron-LM tag than the reference one (flags/rules.py):
+    # every flag of the reference tag has a ruling of its own.
+    "unreviewed": Theme("newer Megatron-LM flags not supported yet",
+                        "a flag Megatron-LM added after core_v0.16.1 that Megatron-Hetero does not "
+                        "implement yet", "not supported yet - remove it"),
 }
 
 # One message for a flag, where the theme's reason is not specific enough.

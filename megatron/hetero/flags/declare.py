@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from hetero.errors import HeteroError
 from hetero.spec.megatron_values import layer_list_value
-from megatron.hetero.flags.facts import MegatronFlag, megatron_flags
+from megatron.hetero.flags.facts import MegatronFlag, known_flag_names, megatron_flags
 
 
 def layer_pattern(text: str | int) -> int | list[int]:
@@ -69,8 +69,13 @@ def argparse_keywords(flag: MegatronFlag) -> dict[str, Any]:
 
 
 def declare(group: argparse._ArgumentGroup, names: Sequence[str]) -> None:
-    """Adds Megatron-LM's flags ``names`` (first option strings) to ``group``."""
+    """Adds Megatron-LM's flags ``names`` (first option strings) to ``group``, those the
+    Megatron-LM tag in use has (a flag another tag has and this one removed is left out)."""
     by_name = {flag.name: flag for flag in megatron_flags()}
     for name in names:
-        flag = by_name[name]
+        flag = by_name.get(name)
+        if flag is None:
+            if name not in known_flag_names():
+                raise KeyError(f"{name} is a flag of no Megatron-LM tag of flags/facts.py")
+            continue
         group.add_argument(*flag.option_strings, **argparse_keywords(flag))

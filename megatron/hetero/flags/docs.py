@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron.hetero.flags import catalog
-from megatron.hetero.flags.facts import megatron_tag
+from megatron.hetero.flags.facts import FACTS_FILES, TAGS, megatron_flags, megatron_tag
 from megatron.hetero.flags.parsing import defined_options, group_heading
 from megatron.hetero.flags.rules import Ruling, Status, counts, rulings
 
@@ -165,5 +165,34 @@ def markdown(parser: argparse.ArgumentParser) -> str:
               "writes a corrected plan with the layer split the measured stage times call for.",
               "- `--hetero-adapt-output PATH`: where that plan goes (default: "
               "`adapted_plan.json` in `--save`, else in the working directory).",
+              "- `--hetero-allow-untested-megatron-core`: runs on a megatron-core release "
+              "Megatron-Hetero is not tested with, with a warning (docs/compatibility.md).",
               "- `--local_rank`: the underscore spelling old launchers pass.", ""]
+    return "\n".join(lines)
+
+
+def later_tag_section(parser: argparse.ArgumentParser) -> str:
+    """The section of docs/flags.md for a later Megatron-LM tag than the reference one (the
+    tag in use): its counts, the status of each flag the reference tag lacks, and the
+    reference flags it removed. Rendered under that tag (HETERO_MEGATRON_LM_TAG)."""
+    table = rulings(defined_options(parser))
+    c = flag_counts(parser)
+    reference = next(iter(FACTS_FILES))
+    release = next(r for r, t in TAGS.items() if t == c.tag)
+    before = {f.name for f in megatron_flags(reference)}
+    now = {f.name for f in megatron_flags()}
+    lines = [f"## Megatron-LM `{c.tag}` (with megatron-core {release} installed)", "",
+             f"With megatron-core {release} installed the flags are those of `{c.tag}`, read from its "
+             "parser as the tables above are, under the same rules; what a flag means and its "
+             f"default are `{c.tag}`'s. {counts_sentence(c).replace(' (`docs/flags.md` lists every flag)', '')}",
+             "", f"Flags `{c.tag}` added since `{reference}` (a refused one without a note is one "
+             "Megatron-Hetero does not implement yet, refused by name with that reason):", "",
+             "| flag | status | note |", "|---|---|---|"]
+    for name, ruling in table.items():
+        if name not in before:
+            note = "" if ruling.theme == "unreviewed" else ruling.reason
+            lines.append(f"| {_code(ruling.flag.option_strings)} | {ruling.status.value} | {note} |")
+    removed = sorted(before - now)
+    lines += ["", f"Flags of `{reference}` that `{c.tag}` no longer has (an error under it, as in "
+              f"Megatron-LM): {', '.join(f'`{name}`' for name in removed)}.", ""]
     return "\n".join(lines)

@@ -1,7 +1,8 @@
-"""Megatron-LM's flags as its own parser defines them at the pinned tag.
+"""Megatron-LM's flags as its own parser defines them, at the tag of the installed megatron-core.
 
-hetero/spec/megatron_lm_flags.json is written by tools/extract_megatron_flags.py
-from Megatron-LM's parser: names, defaults, value kinds, groups; never help texts or code.
+One file per Megatron-LM tag (hetero/spec/megatron_lm_flags*.json, shared with hetero-plan),
+written by tools/extract_megatron_flags.py from Megatron-LM's parser: names, defaults, value
+kinds, groups; never help texts or code. Which tag a process uses: hetero/spec/megatron_tags.py.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-FACTS_FILE = Path(__file__).parents[3] / "hetero" / "spec" / "megatron_lm_flags.json"  # shared with hetero-plan
+from hetero.spec.megatron_tags import FACTS_FILES, TAG_VARIABLE, TAGS, megatron_tag
+
+FACTS_FILE = FACTS_FILES["core_v0.16.1"]
+__all__ = ["FACTS_FILE", "FACTS_FILES", "TAGS", "TAG_VARIABLE", "MegatronFlag", "known_flag_names",
+           "megatron_flags", "megatron_tag"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,9 @@ class MegatronFlag:
 
 
 @functools.cache
-def megatron_flags() -> tuple[MegatronFlag, ...]:
-    document = json.loads(FACTS_FILE.read_text())
+def megatron_flags(tag: str | None = None) -> tuple[MegatronFlag, ...]:
+    """Megatron-LM's flags at ``tag`` (default: megatron_tag())."""
+    document = json.loads(FACTS_FILES[tag or megatron_tag()].read_text())
     return tuple(
         MegatronFlag(
             option_strings=tuple(f["option_strings"]), dest=f["dest"], action=f["action"],
@@ -52,6 +57,6 @@ def megatron_flags() -> tuple[MegatronFlag, ...]:
     )
 
 
-@functools.cache
-def megatron_tag() -> str:
-    return json.loads(FACTS_FILE.read_text())["megatron_lm_tag"]
+def known_flag_names() -> set[str]:
+    """The first option strings of every tag's flags (the catalog may rule on any of them)."""
+    return {flag.name for tag in FACTS_FILES for flag in megatron_flags(tag)}

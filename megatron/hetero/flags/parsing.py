@@ -144,8 +144,10 @@ def refused_values(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     for action in parser._actions:
         reasons = getattr(action, "refused_values", None)
         value = getattr(args, action.dest, None)
-        if reasons and value in reasons:
-            messages.append(f"{action.option_strings[0]} {value}: {reasons[value]}")
+        # A flag Megatron-LM takes several values of (core_v0.19.0's --moe-router-load-balancing-type)
+        for one in value if isinstance(value, list) else [value]:
+            if reasons and isinstance(one, str | int | float) and one in reasons:
+                messages.append(f"{action.option_strings[0]} {one}: {reasons[one]}")
     return messages
 
 

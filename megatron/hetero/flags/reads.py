@@ -19,14 +19,23 @@ import functools
 import json
 from pathlib import Path
 
-from megatron.hetero.flags.facts import MegatronFlag
+from megatron.hetero.flags.facts import MegatronFlag, megatron_tag
 
 READS_FILE = Path(__file__).with_name("megatron_lm_reads.json")
+# One scan per Megatron-LM tag of facts.FACTS_FILES.
+READS_FILES: dict[str, Path] = {
+    "core_v0.16.1": READS_FILE,
+    "core_v0.19.0": Path(__file__).with_name("megatron_lm_reads.core_v0.19.0.json"),
+}
+
+
+def _document() -> dict:
+    return _read(READS_FILES[megatron_tag()])
 
 
 @functools.cache
-def _document() -> dict:
-    return json.loads(READS_FILE.read_text())
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 def scanned_tag() -> str:

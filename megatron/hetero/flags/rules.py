@@ -4,6 +4,11 @@ honoured: arguments.py defines it, with Megatron-LM's meaning and default (every
 runs). no-op: catalog.NOOPS, or a flag Megatron-LM's pretrain_gpt.py never reads (``reads``:
 read nowhere, or only under a refused switch). refused: a theme of the catalog, or
 catalog.DEFAULT_ONLY (defined by arguments.py, but only Megatron-LM's default value runs).
+
+The flags are those of the Megatron-LM tag in use (facts.megatron_tag(): the installed
+megatron-core's). Every flag of the reference tag (the first of facts.FACTS_FILES) has a
+ruling of its own; a later tag's flag that is neither honoured, nor a no-op by the same rules,
+nor catalogued is refused under the theme "unreviewed", by name.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron.hetero.flags import catalog
-from megatron.hetero.flags.facts import MegatronFlag, megatron_flags, megatron_tag
+from megatron.hetero.flags.facts import FACTS_FILES, MegatronFlag, known_flag_names, megatron_flags, megatron_tag
 from megatron.hetero.flags.reads import unread_reason
 
 
@@ -52,7 +57,7 @@ def rulings(honoured: set[str]) -> dict[str, Ruling]:
 def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
     check_registry(honoured)
     flags = megatron_flags()
-    themes = catalog.theme_of_flags({f.name: f.group for f in flags})
+    themes = _themes(honoured)
     noops = {**unread_flags(honoured), **catalog.noops()}
     result = {}
     for flag in flags:
@@ -70,6 +75,23 @@ def _rulings(honoured: frozenset[str]) -> dict[str, Ruling]:
             reason = catalog.REASONS.get(name) or catalog.THEMES[theme].reason()
             result[name] = Ruling(flag, Status.REFUSED, reason, theme)
     return result
+
+
+def is_reference_tag() -> bool:
+    return megatron_tag() == next(iter(FACTS_FILES))
+
+
+def _themes(honoured: frozenset[str]) -> dict[str, str]:
+    """Each refused flag's theme; under a later tag than the reference one, "unreviewed" for a
+    flag nothing else rules on."""
+    flags = megatron_flags()
+    themes = catalog.theme_of_flags({f.name: f.group for f in flags})
+    if not is_reference_tag():
+        ruled = set(themes) | set(catalog.noops()) | set(unread_flags(honoured)) | set(catalog.DEFAULT_ONLY)
+        for flag in flags:
+            if flag.name not in ruled and not honoured & set(flag.option_strings):
+                themes[flag.name] = "unreviewed"
+    return themes
 
 
 def refused_switches(honoured: set[str] | frozenset[str]) -> dict[str, str]:
@@ -106,10 +128,11 @@ def check_registry(honoured: set[str]) -> None:
     unread = unread_flags(honoured)
     listed = set(catalog.theme_of_flags({})) | set(catalog.noops())
     # Flags of other programs' groups are refused whole, unless arguments.py honours one.
-    catalogued = listed | set(catalog.theme_of_flags({f.name: f.group for f in flags})) | set(unread)
+    catalogued = listed | set(_themes(frozenset(honoured))) | set(unread)
     defined = {f.name for f in flags if honoured & set(f.option_strings)}
     problems = []
-    themed = sorted(set(catalog.theme_of_flags({})) & set(unread))
+    # Under a later tag Megatron-LM may have stopped reading a catalogued flag: a no-op there.
+    themed = sorted(set(catalog.theme_of_flags({})) & set(unread)) if is_reference_tag() else []
     if themed:
         problems.append(f"listed under a theme of flags/catalog.py, but Megatron-LM's pretrain_gpt.py "
                         f"never acts on it (a no-op by flags/reads.py; delete the entry): {', '.join(themed)}")
@@ -126,7 +149,7 @@ def check_registry(honoured: set[str]) -> None:
     if undefined:
         problems.append(f"in flags/catalog.py's DEFAULT_ONLY but not defined by arguments.py "
                         f"(list it under a theme instead): {', '.join(undefined)}")
-    unknown = sorted((catalogued | set(catalog.DEFAULT_ONLY)) - {f.name for f in flags})
+    unknown = sorted((catalogued | set(catalog.DEFAULT_ONLY)) - known_flag_names())
     if unknown:
         problems.append(f"in flags/catalog.py but not a Megatron-LM flag: {', '.join(unknown)}")
     if problems:

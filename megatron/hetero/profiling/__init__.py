@@ -6,5 +6,5 @@ own nodes (installed with the package, so that every node of a cluster has them)
 
 Both run one process per device, under torchrun (or the emulator, tools/emulator). On a
 Slurm cluster `hetero-plan profile --slurm` runs them on one node of every device class
-(hetero/spec/profile_slurm.py). The files they write are described in hetero/spec/profiles.py.
+(hetero/slurm/profile.py). The files they write are described in hetero/spec/profiles.py.
 """

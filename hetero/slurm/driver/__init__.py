@@ -1,5 +1,5 @@
 """The driver of a Slurm job that hetero-launch --slurm wrote: the supervisor inside the
-allocation, run by the batch script as `python -m hetero.launch.slurm_driver` (driver.py
+allocation, run by the batch script as `python -m hetero.slurm.driver` (driver.py
 says what it does and why; docs/slurm.md).
 
     driver.py      the entry point and the attempt loop: run, lose a node, re-plan, resume
@@ -9,5 +9,5 @@ says what it does and why; docs/slurm.md).
     steps.py       one node's srun step: its command line, environment, probe and stop
     readmission.py returned nodes taken back into the job
 
-Its Slurm commands run through hetero.launch.slurm.client.
+Its Slurm commands run through hetero.slurm.client.
 """

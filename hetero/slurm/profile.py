@@ -47,10 +47,10 @@ from typing import Callable, Sequence
 
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
-from hetero.spec import slurm_text
+from hetero.slurm import text as slurm_text
 from hetero.spec.cluster import Cluster, Node
 from hetero.spec.profiles import ComputeProfile, LinkProfile
-from hetero.spec.slurm_steps import Step, StepError, run_steps, terminate_as_interrupt
+from hetero.slurm.steps import Step, StepError, run_steps, terminate_as_interrupt
 
 PROFILERS = "megatron.hetero.profiling"
 JOB_NAME = "hetero-profile"

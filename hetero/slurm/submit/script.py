@@ -1,5 +1,5 @@
 """The batch script hetero-launch --slurm writes: #SBATCH lines per component, and a body that
-runs the driver (hetero.launch.slurm_driver) on the first node of component 0."""
+runs the driver (hetero.slurm.driver) on the first node of component 0."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from hetero.launch.slurm.components import Component, single_job_sbatch
-from hetero.launch.slurm.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S, LaunchOptions
+from hetero.slurm.submit.components import Component, single_job_sbatch
+from hetero.slurm.submit.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S, LaunchOptions
 from hetero.plan import Plan
 
-DRIVER_MODULE = "hetero.launch.slurm_driver"
+DRIVER_MODULE = "hetero.slurm.driver"
 
 
 def driver_command(run_dir: Path, options: LaunchOptions, train_args: Sequence[str]) -> list[str]:

@@ -35,7 +35,7 @@ is named with its fix (`error: ...`, exit 2).
 Written into the run directory (--run-dir; default hetero-runs/<plan>-<time>, which must be
 on storage every node sees, as the checkpoints must): plan.json (the plan as given),
 launch.json (the components, for the driver) and job.sbatch. The script's body runs the
-driver, hetero.launch.slurm_driver, on the first node of component 0: the supervisor inside
+driver, hetero.slurm.driver, on the first node of component 0: the supervisor inside
 the allocation (binding hosts to nodes, one srun step per node, re-planning after a lost
 node, re-admitting a returned one: see its docstring and docs/slurm.md).
 """
@@ -48,11 +48,11 @@ import sys
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.launch.slurm.client import read_slurm, submit
-from hetero.launch.slurm.components import plan_components
-from hetero.launch.slurm.options import check_flags, launch_options
-from hetero.launch.slurm.run_dir import SCRIPT_FILE, default_run_dir, write_run_dir
-from hetero.launch.slurm.script import batch_script
+from hetero.slurm.client import read_slurm, submit
+from hetero.slurm.submit.components import plan_components
+from hetero.slurm.submit.options import check_flags, launch_options
+from hetero.slurm.submit.run_dir import SCRIPT_FILE, default_run_dir, write_run_dir
+from hetero.slurm.submit.script import batch_script
 from hetero.plan import Plan
 
 

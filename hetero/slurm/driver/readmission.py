@@ -15,7 +15,7 @@ from hetero.errors import HeteroError
 from hetero.events import CheckpointSaved, of_kind, read_events
 from hetero.jobs import plan_for_recorded_job
 from hetero.launch.elastic import predicted_tokens_per_s, speed_text
-from hetero.launch.slurm_driver.binding import Slot
+from hetero.slurm.driver.binding import Slot
 from hetero.plan import Plan
 
 

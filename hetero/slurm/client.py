@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.spec import slurm_text
-from hetero.spec.slurm_text import Runner, run_command
+from hetero.slurm import text as slurm_text
+from hetero.slurm.text import Runner, run_command
 
 
 # ----- before submitting: what Slurm has, and sbatch -------------------------------------------
@@ -58,6 +58,13 @@ def submit(script: Path, run: Runner = run_command) -> str:
 # ----- inside the allocation: the driver's commands ----------------------------------------------
 
 
+@dataclass
+class JobView:
+    nodes: list[str]  # held now (none once the job has ended)
+    batch_host: str
+    state: str
+
+
 class Slurm:
     """The Slurm commands the driver uses (one place, so that a test can stand in for them)."""
 
@@ -83,19 +90,22 @@ class Slurm:
         return {n.name: n for n in slurm_text.parse_nodes(text)}
 
     def job_nodes(self, job_id: str) -> list[str]:
-        """The nodes a job (one component's job id) holds now."""
-        return self.job(job_id)[0]
+        """The nodes a job (one component's job id) holds now; none once it has ended."""
+        return self.job(job_id).nodes
 
-    def job(self, job_id: str) -> tuple[list[str], str]:
-        """(the nodes a job - one component's job id - holds now, its batch host)."""
+    def job(self, job_id: str) -> JobView:
+        """A job (one component's job id) as Slurm sees it now: the nodes it holds (none once
+        it has ended: a component whose only node failed ends alone), its batch host, state."""
         text = self._checked(["scontrol", "show", "job", "-o", job_id], f"reading job {job_id}")
         for line in text.splitlines():
             fields = slurm_text.parse_fields(line)
             if fields.get("JobId") == job_id:
+                state = fields.get("JobState", "")
                 node_list = fields.get("NodeList", "")
-                nodes = [] if node_list in ("", "(null)") else slurm_text.expand_hostlist(node_list)
-                return nodes, fields.get("BatchHost", "")
-        return [], ""
+                running = state in ("RUNNING", "SUSPENDED")
+                nodes = [] if node_list in ("", "(null)") or not running else slurm_text.expand_hostlist(node_list)
+                return JobView(nodes, fields.get("BatchHost", ""), state)
+        return JobView([], "", "")
 
     def shrink(self, job_id: str, keep: list[str]) -> None:
         chdir = ["env", f"--chdir={self.workdir}"] if self.workdir else []

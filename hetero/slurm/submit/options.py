@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.launch.slurm.env_rules import EnvRule
-from hetero.spec import discover
+from hetero.slurm.submit.env_rules import EnvRule
+from hetero.slurm import discover
 
 CONSTRAINT_MODES = ("feature", "nodelist")
 LAYOUTS = ("het", "single")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from hetero import env as hetero_env
-from hetero.launch.slurm.env_rules import env_for_node
+from hetero.slurm.submit.env_rules import env_for_node
 
 # Device visibility and srun's per-job inputs: what the batch environment holds for
 # component 0 alone (driver.py's docstring: "Starting").
@@ -66,6 +67,17 @@ class NodeSteps:
         except subprocess.TimeoutExpired:
             return False
         return done.returncode == 0
+
+    def silent_nodes(self, nodes: list[str]) -> set[str]:
+        """Of these nodes, those whose slurmd runs no probe step (all probed at once)."""
+        answers: dict[str, bool] = {}
+        probes = [threading.Thread(target=lambda n=n: answers.__setitem__(n, self.node_answers(n)), daemon=True)
+                  for n in nodes if n in self.slots]
+        for probe in probes:
+            probe.start()
+        for probe in probes:
+            probe.join(PROBE_TIMEOUT_S + 5)
+        return {n for n in nodes if n in self.slots and not answers.get(n, False)}
 
     def step_env(self, node: str, node_env: dict[str, str], events_dir: Path) -> dict[str, str]:
         env = self._base_env(node)

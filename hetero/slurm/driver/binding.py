@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from hetero.errors import HeteroError
 from hetero.launch.elastic import reshape_cluster_spec
-from hetero.launch.slurm.components import Component
-from hetero.launch.slurm.features import matches_features
+from hetero.slurm.submit.components import Component
+from hetero.slurm.submit.features import matches_features
 from hetero.plan import Plan
-from hetero.spec import slurm_text
+from hetero.slurm import text as slurm_text
 
 
 @dataclass

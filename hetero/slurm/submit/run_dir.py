@@ -11,8 +11,8 @@ from pathlib import Path
 
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
-from hetero.launch.slurm.components import Component
-from hetero.launch.slurm.options import LaunchOptions
+from hetero.slurm.submit.components import Component
+from hetero.slurm.submit.options import LaunchOptions
 
 PLAN_FILE = "plan.json"
 LAUNCH_FILE = "launch.json"

@@ -43,8 +43,8 @@ from hetero.errors import HeteroError
 from hetero.spec.catalog import DEVICES, INTRA_NODE_LINKS, NIC_KINDS
 from hetero.spec.cluster import Cluster
 from hetero.spec.devices import device_type_matches
-from hetero.spec.node_probe import Probe, nic_of, probe_nodes
-from hetero.spec.slurm_text import (Runner, SlurmNode, parse_nodes, parse_partitions,
+from hetero.slurm.probe import Probe, nic_of, probe_nodes
+from hetero.slurm.text import (Runner, SlurmNode, expand_hostlist, parse_nodes, parse_partitions,
                                     parse_topology, run_command, slurm_output)
 
 # The intra-node link of each catalog device's usual board (SXM/OAM where it has one).
@@ -132,6 +132,10 @@ class DiscoverOptions:
     intra_links: dict[str, str] = field(default_factory=dict)
     inter_group: tuple[str, float] | None = None
     gpus_per_node: int | None = None
+    exclude_nodes: list[str] = field(default_factory=list)
+    """node names or host lists (`gpu[01-04]`) to leave out"""
+    exclude_features: list[str] = field(default_factory=list)
+    """nodes with any of these features are left out"""
     group_by: str = "auto"
     probe: bool = True
     probe_timeout_s: float = 120.0
@@ -170,7 +174,7 @@ def discover_slurm(options: DiscoverOptions, run: Runner = run_command,
             "cluster (a login node), or install the Slurm client (Debian: slurm-client) and point "
             "SLURM_CONF at the cluster's slurm.conf" + (" (or pass --no-probe with --nic)" if missing == ["srun"] else ""))
     notes: list[str] = []
-    homes = _available_nodes(options.partitions, run, notes)
+    homes = _available_nodes(options, run, notes)
     probes = probe([(n.name, home) for n, home in homes.items()], options.probe_timeout_s) if options.probe else {}
     found = _describe(homes, probes, device_map, options, notes)
     rule, islands = _groups(options.group_by, found, run, notes)
@@ -204,9 +208,10 @@ def _checked_device_map(options: DiscoverOptions) -> dict[str, str]:
     return device_map
 
 
-def _available_nodes(wanted: list[str], run: Runner, notes: list[str]) -> dict[SlurmNode, str]:
-    """The available nodes of the wanted partitions (default: all), each with its home: the
-    smallest of those partitions holding it, the most specific one."""
+def _available_nodes(options: DiscoverOptions, run: Runner, notes: list[str]) -> dict[SlurmNode, str]:
+    """The available nodes of the wanted partitions (default: all) less the excluded ones,
+    each with its home: the smallest of those partitions holding it, the most specific one."""
+    wanted = options.partitions
     partitions = parse_partitions(slurm_output(run, "scontrol", "show", "partition", "-o"))
     unknown = [p for p in wanted if p not in partitions]
     if unknown:
@@ -215,7 +220,7 @@ def _available_nodes(wanted: list[str], run: Runner, notes: list[str]) -> dict[S
     chosen = list(dict.fromkeys(wanted)) or partitions
     every = parse_nodes(slurm_output(run, "scontrol", "show", "node", "-o"))
     size = {p: sum(p in n.partitions for n in every) for p in chosen}
-    in_chosen = [n for n in every if set(n.partitions) & set(chosen)]
+    in_chosen = _without_excluded([n for n in every if set(n.partitions) & set(chosen)], options, chosen, notes)
     left_out = [f"{n.name} ({n.state})" for n in in_chosen if not n.available]
     if left_out:
         notes.append(f"left out, not available: {', '.join(left_out)}")
@@ -225,6 +230,27 @@ def _available_nodes(wanted: list[str], run: Runner, notes: list[str]) -> dict[S
         raise HeteroError(f"no available node in partition(s) {', '.join(chosen)}"
                           + (f" (unavailable: {', '.join(left_out)})" if left_out else ""))
     return homes
+
+
+def _without_excluded(nodes: list[SlurmNode], options: DiscoverOptions, chosen: list[str],
+                      notes: list[str]) -> list[SlurmNode]:
+    """The nodes less those --exclude-nodes names and those with an --exclude-feature; an
+    exclusion that matches none of the chosen partitions' nodes is a mistake, named."""
+    names = [name for text in options.exclude_nodes for name in expand_hostlist(text)]
+    features = {f.lower() for text in options.exclude_features for f in text.split(",") if f.strip()}
+    where = f"partition(s) {', '.join(chosen)}"
+    missing = [n for n in names if n not in {node.name for node in nodes}]
+    if missing:
+        raise HeteroError(f"--exclude-nodes {', '.join(missing)}: no such node in {where}; its nodes: "
+                          f"{', '.join(n.name for n in nodes) or 'none'}")
+    unused = sorted(f for f in features if not any(f in {x.lower() for x in n.features} for n in nodes))
+    if unused:
+        raise HeteroError(f"--exclude-feature {', '.join(unused)}: no node of {where} has it; their features: "
+                          f"{', '.join(sorted({f for n in nodes for f in n.features})) or 'none'}")
+    out = [n for n in nodes if n.name in names or features & {f.lower() for f in n.features}]
+    if out:
+        notes.append(f"left out by --exclude-nodes/--exclude-feature: {', '.join(n.name for n in out)}")
+    return [n for n in nodes if n not in out]
 
 
 def _describe(homes: dict[SlurmNode, str], probes: dict[str, tuple[Probe | None, str]],
@@ -239,7 +265,8 @@ def _describe(homes: dict[SlurmNode, str], probes: dict[str, tuple[Probe | None,
         resolved = resolve_device(node, probe, device_map)
         count = sum(g.count for g in node.gpus) or (len(probe.gpus) if probe else 0) or options.gpus_per_node
         if resolved.problem or not count:
-            problem = resolved.problem or "has no gpu GRES and no GPU its probe could see; pass --gpus-per-node N"
+            problem = resolved.problem or ("has no gpu GRES and no GPU its probe could see; if it has GPUs that "
+                                            "Slurm does not list, pass --gpus-per-node N")
             problems.setdefault(problem, []).append(node.name)
             continue
         kind, gbps, nic_from = _nic(node, probe, options)
@@ -247,12 +274,23 @@ def _describe(homes: dict[SlurmNode, str], probes: dict[str, tuple[Probe | None,
     if problems:
         raise HeteroError("cannot tell the device type of every node:\n" + "\n".join(
             f"  - node{'s' if len(names) > 1 else ''} {', '.join(names)}: {problem}"
-            for problem, names in problems.items()))
+            for problem, names in problems.items()) + "\n" + _exclusion_hint(
+                [n for n in homes if any(n.name in names for names in problems.values())], list(homes)))
     guessed = [n.slurm.name for n in found if n.nic_from.startswith("default")]
     if guessed:
         kind, gbps = DEFAULT_NIC
         notes.append(f"NIC unknown on {', '.join(guessed)}: assumed {kind} {gbps:g} Gbit/s; pass --nic KIND:GBPS")
     return found
+
+
+def _exclusion_hint(unclear: list[SlurmNode], every: list[SlurmNode]) -> str:
+    """How to leave out nodes that are not for training (no GPU, another kind of machine): by
+    name, or by a feature that they all have and no other node has."""
+    hint = f"a node that is not for training can be left out: --exclude-nodes {','.join(n.name for n in unclear)}"
+    others = [n for n in every if n not in unclear]
+    shared = set.intersection(*({f.lower() for f in n.features} for n in unclear)) if unclear else set()
+    own = sorted(f for f in shared if not any(f in {x.lower() for x in n.features} for n in others))
+    return hint + (f" (or --exclude-feature {own[0]})" if own else "")
 
 
 def _spec(found: list[DiscoveredNode], islands: dict[str, str], options: DiscoverOptions,

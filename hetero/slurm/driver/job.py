@@ -13,15 +13,15 @@ from pathlib import Path
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
 from hetero.launch.elastic import cluster_without
-from hetero.launch.slurm_driver.binding import Allocation, Slot, bind_hosts, bound_plan, nodes_by_class
-from hetero.launch.slurm.client import Slurm
-from hetero.launch.slurm.env_rules import EnvRule
-from hetero.launch.slurm.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S
-from hetero.launch.slurm_driver.readmission import ReturnedNodes
-from hetero.launch.slurm.run_dir import load_launch
-from hetero.launch.slurm_driver.steps import NodeSteps
+from hetero.slurm.driver.binding import Allocation, Slot, bind_hosts, bound_plan, nodes_by_class
+from hetero.slurm.client import Slurm
+from hetero.slurm.submit.env_rules import EnvRule
+from hetero.slurm.submit.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S
+from hetero.slurm.driver.readmission import ReturnedNodes
+from hetero.slurm.submit.run_dir import load_launch
+from hetero.slurm.driver.steps import NodeSteps
 from hetero.plan import Plan
-from hetero.spec import slurm_text
+from hetero.slurm import text as slurm_text
 from hetero.spec.cluster import Cluster
 
 PREFIX = "hetero-slurm:"
@@ -82,37 +82,52 @@ class SlurmJob(NodeSteps, ReturnedNodes):
         return self._node_info
 
     def remove_nodes(self, lost: set[str]) -> None:
-        """Takes lost nodes out of the allocation before Slurm declares them down (which would
-        end the whole heterogeneous job)."""
+        """Takes lost nodes out of the allocation where Slurm lets a job shrink, before Slurm
+        declares them down; the others stay in the job, unused (driver.py's docstring, "A
+        lost node", says what Slurm does with them and why)."""
         self._refresh_nodes()
         for node in sorted(lost):
             self.lost[node] = {"slurmd_started": self.slurm.slurmd_started.get(node, ""), "silent_seen": False,
                                "time": time.time()}
-            slot = self.slots.pop(node, None)
+            slot = self.slots.get(node)
             if slot is None:
                 continue
             if node in self.second_allocations:
+                self.slots.pop(node)
                 self.slurm.cancel(self.second_allocations.pop(node))
                 self.log(f"released {node}'s own allocation (job {slot.job_id})")
                 continue
-            held, batch_host = self.slurm.job(slot.job_id)
-            keep = [n for n in held if n != node]
-            if node not in held:
+            job = self.slurm.job(slot.job_id)
+            if node not in job.nodes:
+                self.slots.pop(node)
                 continue
-            if not keep or node == batch_host:
-                what = "only node" if not keep else "first node, which Slurm keeps as its batch host"
-                self.log(f"{node} is the {what} of job {slot.job_id}"
-                         + (f" (component {slot.het_group})" if slot.het_group is not None else "")
-                         + ": it cannot leave the job, and Slurm ends the whole job once it declares the node "
-                           "down (SlurmdTimeout); going on until then")
-                self.slots[node] = slot  # still ours; if it answers again, it comes back
-                continue
-            try:
-                self.slurm.shrink(slot.job_id, keep)
-                self.log(f"took {node} out of the allocation (job {slot.job_id} keeps {', '.join(keep)})")
-            except HeteroError as err:
-                self.log(f"could not take {node} out of the allocation ({err}); Slurm may end the job when it "
-                         "declares the node down")
+            keep = [n for n in job.nodes if n != node]
+            where = f"job {slot.job_id}" + (f" (component {slot.het_group})" if slot.het_group is not None else "")
+            # A heterogeneous job's leader (component 0) cannot be resized ("not supported for
+            # job arrays"), nor can any job lose its batch host or its last node.
+            if keep and node != job.batch_host and slot.het_group != 0:
+                try:
+                    self.slurm.shrink(slot.job_id, keep)
+                    self.slots.pop(node)
+                    self.log(f"took {node} out of the allocation ({where} keeps {', '.join(keep)})")
+                    continue
+                except HeteroError as err:
+                    self.log(f"could not take {node} out of the allocation ({err})")
+            self.log(f"{node} stays in {where}, unused: {self._fate(node, slot, keep)}")
+
+    def _fate(self, node: str, slot: Slot, keep: list[str]) -> str:
+        """What Slurm does with a lost node left in the job once it declares it down (after
+        SlurmdTimeout), as Slurm 22.05 does it with --no-kill (docs/slurm.md)."""
+        back = "; it is taken back if it answers again before then"
+        if not self.allocation.heterogeneous:
+            return ("Slurm takes it out of the job once it declares the node down (SlurmdTimeout)" + back
+                    if keep else "Slurm ends the job once it declares the node down (SlurmdTimeout)")
+        leader = self.slurm.job_nodes(self.allocation.component_jobs[0])
+        if len(leader) > 1:
+            what = "takes it out of its component" if keep else "ends its component (the others go on)"
+            return f"once Slurm declares the node down (SlurmdTimeout) it {what}" + back
+        return ("Slurm ends the whole job once it declares the node down (SlurmdTimeout): component 0 holds "
+                "a single node; going on until then" + back)
 
     def cluster_for(self, nodes: set[str]) -> Cluster:
         full = Cluster.from_dict(self.full_cluster, "the job's allocated cluster")

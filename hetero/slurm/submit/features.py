@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hetero.plan import Plan
-from hetero.spec import discover, slurm_text
+from hetero.slurm import discover, text as slurm_text
 
 
 def feature_terms(expression: str) -> list[list[str]]:

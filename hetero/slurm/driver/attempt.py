@@ -15,8 +15,8 @@ from pathlib import Path
 from hetero.events import CheckpointLoaded, CheckpointSaved, Iteration, of_kind, read_events
 from hetero.launch.commands import NodeCommand, node_commands
 from hetero.launch.elastic import AttemptResult, lost_hosts
-from hetero.launch.slurm_driver.job import SlurmJob
-from hetero.launch.slurm_driver.readmission import Readmission
+from hetero.slurm.driver.job import SlurmJob
+from hetero.slurm.driver.readmission import Readmission
 from hetero.plan import Plan
 
 QUIET_S = 2.0  # no step ended for this long after a failure: probe the nodes still running
@@ -155,6 +155,15 @@ class SlurmRunner:
             outcome = "failed"
         events = read_events(events_dir)
         result = AttemptResult(returncode, dead, list(lines), events)
+        if outcome == "failed" and not lost_hosts(result, plan):
+            # Every step ended and no rank named a lost peer (one that stopped on another
+            # error first, e.g. inside a checkpoint write): ask every node's slurmd.
+            silent = driver.silent_nodes([h for h, _ in plan.hosts()])
+            if silent:
+                driver.log(f"attempt {record.attempt}: no rank named a lost node, but {', '.join(sorted(silent))} "
+                           "runs no step: lost")
+                dead |= silent
+                result = AttemptResult(returncode, dead, list(lines), events)
         lost = sorted(lost_hosts(result, plan)) if outcome == "failed" else []
         iterations = of_kind(events, Iteration)
         loaded = of_kind(events, CheckpointLoaded)

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.launch.slurm.env_rules import EnvRule
-from hetero.launch.slurm.features import auto_feature, features_of, gpu_count, matches_features, node_devices
-from hetero.launch.slurm.client import SlurmView
-from hetero.launch.slurm.options import CONSTRAINT_MODES, LaunchOptions
+from hetero.slurm.submit.env_rules import EnvRule
+from hetero.slurm.submit.features import auto_feature, features_of, gpu_count, matches_features, node_devices
+from hetero.slurm.client import SlurmView
+from hetero.slurm.submit.options import CONSTRAINT_MODES, LaunchOptions
 from hetero.plan import Plan
-from hetero.spec import slurm_text
+from hetero.slurm import text as slurm_text
 from hetero.spec.catalog import NIC_KINDS
 
 _FEATURE = re.compile(r"[A-Za-z0-9_.+-]+$")
@@ -36,8 +36,11 @@ class NodeClass:
 
 
 def node_classes(plan: Plan) -> list[NodeClass]:
-    """The plan's node classes, in the order their first host launches (so component 0 holds
-    launch rank 0: the batch script and the rendezvous start on one node)."""
+    """The plan's node classes, the one with the most hosts first, then in the order their
+    first host launches. Component 0 runs the batch script, and while it holds more than one
+    node Slurm (22.05, --no-kill) keeps the job alive through the loss of any node but the
+    batch host; with a single node there, the job survives only nodes the driver can take
+    out of their component first (docs/slurm.md, "When a node fails")."""
     hosts: dict[tuple[str, int], list[str]] = {}
     vendors: dict[tuple[str, int], str] = {}
     for host, ranks in plan.hosts():
@@ -48,7 +51,8 @@ def node_classes(plan: Plan) -> list[NodeClass]:
         key = (types[0], len(ranks))
         hosts.setdefault(key, []).append(host)
         vendors[key] = plan.devices[ranks[0]].vendor
-    return [NodeClass(device, vendors[(device, n)], n, tuple(h)) for (device, n), h in hosts.items()]
+    classes = [NodeClass(device, vendors[(device, n)], n, tuple(h)) for (device, n), h in hosts.items()]
+    return sorted(classes, key=lambda c: -len(c.hosts))  # stable: launch order among equals
 
 
 @dataclass
@@ -129,11 +133,16 @@ def plan_components(plan: Plan, view: SlurmView, options: LaunchOptions) -> tupl
         single_job_sbatch(components, partition if options.partition else None, options)  # its problems
     elif len(components) > 1:
         nodes = sum(len(c.hosts) for c in components)
-        notes.append(f"a heterogeneous job survives a lost node only if it is not its component's first node (Slurm "
-                     f"keeps that one, the component's batch host, and ends the whole job when it fails): "
-                     f"{nodes - len(components)} of these {nodes} nodes can be lost. --layout single survives the "
-                     "loss of any node but the batch node, where every node runs the same number of ranks "
-                     "(docs/slurm.md)")
+        if len(components[0].hosts) > 1:
+            notes.append(f"the job survives the loss of any of its {nodes} nodes but component 0's first, where "
+                         "the driver runs (docs/slurm.md)")
+        else:
+            losable = nodes - len(components)
+            notes.append(f"component 0 holds a single node, so Slurm ends the whole job when it declares a node of "
+                         f"the job down (SlurmdTimeout) unless the driver took that node out of its component "
+                         f"first, which Slurm allows for any node but a component's first: {losable} of these "
+                         f"{nodes} nodes can be lost. --layout single survives the loss of any node but the batch "
+                         "node, where every node runs the same number of ranks (docs/slurm.md)")
     return components, notes
 
 

@@ -1,7 +1,7 @@
 """The supervisor of a planned job inside its Slurm allocation: the body of the batch script
 that `hetero-launch --slurm` writes.
 
-    python -m hetero.launch.slurm_driver --run-dir RUN [--max-restarts 3] [--no-readmit] \\
+    python -m hetero.slurm.driver --run-dir RUN [--max-restarts 3] [--no-readmit] \\
         [--env [SELECTOR:]NAME=VALUE ...] [--emulate-devices] -- <Megatron flags>
 
 It runs on the first node of component 0 with only the job's Python (it starts
@@ -42,15 +42,19 @@ scancel of the attempt's steps after a few seconds). Lost nodes: the hosts other
 recorded as lost (LostRanks; hetero.launch.elastic.lost_hosts), and nodes whose step still
 runs after every other has ended and whose slurmd does not run a probe step (`srun -w NODE
 true`): the ranks next to a crashed node often stop on their library's error (a closed
-socket) before their watchdog has named the node. It then takes each lost node out of the
-allocation (`scontrol update JobId=<component> NodeList=<the rest>`) before Slurm declares
-it down: Slurm 22.05 ends a whole heterogeneous job when a node of any component fails,
---no-kill or not, unless the node has left the job first. A component's first node (Slurm
-keeps it as the component's batch host) and the only node of a component cannot leave
-(cancelling a component leaves it holding the node while it completes): the job runs on
-until Slurm declares the node down (SlurmdTimeout), then Slurm ends it. With --layout
-single (one job holding every class's nodes) any node but the batch node can leave, and
-Slurm itself takes a failed one out (--no-kill). The driver then plans the recorded job
+socket) before their watchdog has named the node; when an attempt fails and no rank named a
+lost peer (one stopped on another error first, e.g. in a checkpoint write), every node is
+probed. It then takes each lost node out of the allocation where Slurm lets a job shrink
+(`scontrol update JobId=<component> NodeList=<the rest>`: a later component's node other
+than its first; the leader, component 0, cannot be resized, its id standing for the whole
+job), before Slurm declares it down. Other lost nodes stay in the job, unused (every step
+names its node). Once Slurm declares such a node down (SlurmdTimeout), Slurm 22.05 with
+--no-kill takes it out of its component (or ends that component alone, if it was its only
+node) while component 0 holds more than one node, and otherwise ends the whole job: so
+hetero-launch puts the class with the most nodes first. A lost node still in the job that
+answers again runs its steps there again. With --layout single (one job holding every
+class's nodes) any node but the batch node can leave, and Slurm itself takes a failed
+one out (--no-kill). The driver then plans the recorded job
 (model, training, profiles: hetero.jobs.plan_for_recorded_job, as run_elastic does) for the
 nodes it has, writes RUN/plan-<n>.json and resumes with --load from the last checkpoint.
 
@@ -85,11 +89,11 @@ from hetero.errors import HeteroError
 from hetero.jobs import plan_for_recorded_job
 from hetero.launch.commands import split_at_double_dash
 from hetero.launch.elastic import AttemptResult, predicted_tokens_per_s, speed_text, with_load
-from hetero.launch.slurm_driver.attempt import SlurmRunner, Stopped
-from hetero.launch.slurm.env_rules import EnvRule
-from hetero.launch.slurm_driver.job import PREFIX, SlurmJob
-from hetero.launch.slurm.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S
-from hetero.launch.slurm_driver.readmission import replannable
+from hetero.slurm.driver.attempt import SlurmRunner, Stopped
+from hetero.slurm.submit.env_rules import EnvRule
+from hetero.slurm.driver.job import PREFIX, SlurmJob
+from hetero.slurm.submit.options import DEFAULT_MAX_RESTARTS, DEFAULT_POLL_S
+from hetero.slurm.driver.readmission import replannable
 from hetero.plan import Plan
 
 
@@ -205,7 +209,7 @@ def _stop_on_signals() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     own, train_args = split_at_double_dash(argv)
-    parser = argparse.ArgumentParser(prog="python -m hetero.launch.slurm_driver", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hetero.slurm.driver", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="the directory hetero-launch --slurm wrote")
     parser.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS)
     parser.add_argument("--no-readmit", action="store_true")

@@ -1,0 +1,69 @@
+"""Checkpoints across the tested megatron-core releases: ours saved under 0.16.1 resume
+under 0.19.2 (and the other way) under a heterogeneous plan, continuing the same training.
+
+Runs in `make test`'s megatron-core 0.19.2 pass (PYTHONPATH=.core019 before .venv's
+0.16.1): the 0.16.1 side is the same interpreter with that folder taken off PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import GPT_MODEL, TRAINING, make_plan, run_pretrain  # noqa: E402
+from megatron.hetero.core_version import installed_megatron_core  # noqa: E402
+
+SIX = GPT_MODEL + TRAINING + ["--train-iters", "6"]
+# Uneven stages at their own tensor-parallel degrees, ranks permuted; unequal replicas.
+STAGE_TP_PLAN = make_plan(tp=1, pp=2, dp=1, stages=[3, 1], replicas=[8], rank_order=[2, 0, 1], stage_tp=[2, 1])
+UNEVEN = make_plan(tp=1, pp=2, dp=2, stages=[1, 3], replicas=[5, 3], rank_order=[1, 3, 0, 2])
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.core019,
+    pytest.mark.skipif(installed_megatron_core() != "0.19.2",
+                       reason="runs in make test's megatron-core 0.19.2 pass (PYTHONPATH=.core019)"),
+]
+
+
+def _without_core019() -> dict:
+    """The environment of a run on .venv's megatron-core 0.16.1: PYTHONPATH without the folder
+    that holds megatron-core 0.19.2."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "megatron" / "core").is_dir()]
+    return {"PYTHONPATH": os.pathsep.join(kept)}
+
+
+def _run(args, release, **kwargs):
+    if release == "0.16.1":  # a fresh interpreter: the job server of this suite runs 0.19.2
+        kwargs.setdefault("launcher", "torchrun")
+        kwargs["env"] = _without_core019()
+    result = run_pretrain(args, **kwargs)
+    assert result.returncode == 0, result.output[-3000:]
+    assert f"> megatron-core {release} patches applied" in result.stdout, result.stdout[-3000:]
+    return result
+
+
+def _assert_continues(resumed, reference):
+    got, want = resumed.iteration_losses(), reference.iteration_losses()
+    assert sorted(got) == [4, 5, 6], resumed.output[-3000:]
+    for i in (4, 5, 6):  # re-sharded: reductions in another order, so equal to rounding
+        assert math.isclose(got[i], want[i], rel_tol=1e-5), (i, got[i], want[i])
+
+
+@pytest.mark.parametrize("saved_by, resumed_by, plan, nproc", [
+    ("0.16.1", "0.19.2", STAGE_TP_PLAN, 3),
+    ("0.19.2", "0.16.1", UNEVEN, 4),
+], ids=["0.16.1-to-0.19.2", "0.19.2-to-0.16.1"])
+def test_a_checkpoint_resumes_under_the_other_release_and_another_plan(saved_by, resumed_by, plan, nproc, tmp_path):
+    root = tmp_path / "ckpt"
+    reference = _run(SIX + ["--save", str(root), "--save-interval", "3"], saved_by)
+    resumed = _run(SIX + ["--load", str(root), "--ckpt-step", "3"], resumed_by, nproc=nproc, plan=plan,
+                   tmp_path=tmp_path)
+    assert "tensors re-sharded" in resumed.stdout
+    _assert_continues(resumed, reference)
