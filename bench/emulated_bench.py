@@ -1,6 +1,6 @@
 """The planner's claims measured on an emulated cluster (tools/emulator), as real runs.
 
-    sudo python bench/emulated_bench.py            # 85-180 min on 2 cores (by the VM's speed); needs root
+    sudo python bench/emulated_bench.py            # 100-195 min on 2 cores (by the VM's speed); needs root
     python bench/emulated_bench.py --out DIR       # results.json, report.md, timeline.png
 
 1. Predictor accuracy: on two emulated clusters - compute heterogeneity (3 fast + 1 half-
