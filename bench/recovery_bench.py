@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hetero.events import Iteration, SnapshotCost, StateRestored, of_kind, read_events  # noqa: E402
+from tools.emulator.cluster import kill_node  # noqa: E402
 
 CLUSTER = REPO / "examples" / "clusters" / "cpu_demo.yaml"
 MODEL = {"num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 512, "num_attention_heads": 4,
@@ -61,24 +62,6 @@ def plan(workdir: Path) -> Path:
                     "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "--skip-baseline",
                     "--skip-upper-bound", "--quiet", "-o", str(path)], cwd=REPO, check=True)
     return path
-
-
-def kill_node(host: str) -> int:
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"HETERO_EMULATED_HOST={host}".encode() in environ:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-    return killed
 
 
 def supervised(plan_path: Path, run_dir: Path, flags: list[str], kill_after: int | None = None

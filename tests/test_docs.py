@@ -6,7 +6,7 @@
 - every relative link points to an existing file;
 - every `python -m X` names a module that exists, every repository path named exists,
   every `make X` is a Makefile target, every top-level folder is in README's layout;
-- every patch named in the documents is one of megatron/hetero/patches.py, and the
+- every patch named in the documents is one of megatron/hetero/patches/, and the
   generated patch list of docs/compatibility.md is what `python -m tools.patches_doc` renders.
 
 Reads files only: no torch, no megatron-core.
@@ -140,7 +140,7 @@ def _python_files() -> set[str]:
 
 @pytest.mark.parametrize("doc", _existing(OWN_DOCS), ids=_rel)
 def test_named_python_files_exist(doc):
-    """A file named without its folder (`patches.py` in the layout table) exists somewhere."""
+    """A file named without its folder (`cpu_device.py` in the layout table) exists somewhere."""
     known = _python_files()
     missing = sorted({name for name in BARE_PY.findall(doc.read_text()) if name not in known})
     assert not missing, f"{_rel(doc)} names Python files that do not exist: {missing}"
@@ -175,13 +175,13 @@ def test_patch_names_in_the_documents_are_real():
     names = {p.name for p in patches_doc.read_patches()}
     for doc in _existing(ALL_DOCS):
         named = set(NAMED_PATCH.findall(doc.read_text()))
-        assert named <= names, (f"{_rel(doc)} names patches megatron/hetero/patches.py does not have: "
+        assert named <= names, (f"{_rel(doc)} names patches megatron/hetero/patches/ does not have: "
                                 f"{sorted(named - names)}")
 
 
 def test_the_patch_list_reads_every_patch():
     patches = patches_doc.read_patches()
-    assert patches, "no patches read from megatron/hetero/patches.py"
+    assert patches, "no patches read from megatron/hetero/patches/"
     for patch in patches:
         assert patch.why and patch.versions and patch.what, patch
 

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from hetero.launch.elastic import (AttemptResult, cluster_without, lost_hosts, p
 from hetero.errors import HeteroError
 from hetero.plan import Plan
 from tools.emulator import EmulatedCluster
+from tools.emulator.cluster import kill_node
 
 CLUSTER = REPO / "examples" / "clusters" / "cpu_demo.yaml"
 TINY_GPT = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
@@ -46,23 +48,33 @@ def _plan(tmp_path: Path) -> Path:
     return plan
 
 
-def _kill_node(host: str) -> int:
-    """SIGKILL to every process of one emulated node (its torchrun and its workers)."""
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"HETERO_EMULATED_HOST={host}".encode() in environ:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-    return killed
+def supervise(tmp_path: Path, cluster: Path, plan: Path, train: list[str], kill: list[str], when: str,
+              settle_s: float = 0.0) -> tuple[list[str], float]:
+    """Runs the job under the emulator's elastic supervisor, kills the nodes ``kill`` (launcher
+    and workers) settle_s after a line containing ``when``, and waits for the supervisor to
+    finish (exit 0) with nothing left behind. Returns the output and the time of the kill."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "tools.emulator", "--cluster", str(cluster), "--plan", str(plan), "--elastic",
+         "--run-dir", str(tmp_path / "runs"), "--", "pretrain_gpt.py", *train],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    try:
+        for line in supervisor.stdout:
+            lines.append(line)
+            if when in line:
+                break
+        time.sleep(settle_s)
+        killed_at = time.time()
+        for host in kill:
+            assert kill_node(host) > 0, "".join(lines)[-3000:]
+        lines += supervisor.stdout.readlines()
+        assert supervisor.wait(timeout=600) == 0, "".join(lines)[-5000:]
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    assert_nothing_left(str(tmp_path))  # the lost attempt's ranks on the surviving node too
+    return lines, killed_at
 
 
 # ----- the pieces, without processes ------------------------------------------------------
@@ -123,24 +135,8 @@ def test_a_job_that_loses_a_node_finishes_on_the_other_as_a_hand_resume_would(tm
     save = tmp_path / "ckpt"
     train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
                                     "--save", str(save), "--save-interval", "2"]
-    supervisor = subprocess.Popen(
-        [sys.executable, "-m", "tools.emulator", "--cluster", str(CLUSTER), "--plan", str(plan), "--elastic",
-         "--run-dir", str(tmp_path / "runs"), "--", "pretrain_gpt.py", *train],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    try:
-        for line in supervisor.stdout:
-            lines.append(line)
-            if "successfully saved checkpoint from iteration       2" in line:
-                break
-        assert _kill_node("node-slow") > 0, "".join(lines)[-3000:]
-        lines += supervisor.stdout.readlines()
-        assert supervisor.wait(timeout=600) == 0, "".join(lines)[-4000:]
-    finally:
-        if supervisor.poll() is None:
-            os.killpg(supervisor.pid, signal.SIGKILL)
-    assert_nothing_left(str(tmp_path))  # the lost attempt's ranks on the surviving node too
+    lines, _ = supervise(tmp_path, CLUSTER, plan, train, ["node-slow"],
+                         when="successfully saved checkpoint from iteration       2")
     output = "".join(lines)
     replanned = re.search(r"elastic: lost node-slow; re-planned for node-fast: (.*); predicted "
                           r"([0-9,]+) -> ([0-9,]+) tokens/s; wrote (\S+);", output)

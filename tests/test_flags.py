@@ -45,7 +45,7 @@ def _non_default_value(flag: flags.MegatronFlag) -> list[str]:
 
 def _refused_cases() -> list[tuple[str, flags.Ruling]]:
     """Every option string of the flags refused while parsing (not the DEFAULT_ONLY ones,
-    which arguments.py defines and validation refuses)."""
+    which arguments/ defines and validation refuses)."""
     return [(option, r) for r in _of(flags.Status.REFUSED) if not r.default_only
             for option in r.flag.option_strings
             if not option.startswith("--no-") or r.flag.action != "BooleanOptionalAction"]
@@ -84,9 +84,9 @@ def test_our_own_flags_are_megatrons_or_listed_as_ours():
 
 @pytest.mark.parametrize("flag", ["--fp8-format", "--use-mcore-models", "--tp-comm-overlap-cfg"])
 def test_a_flag_both_honoured_and_catalogued_is_an_error(flag):
-    """Defining a flag in arguments.py while its catalog entry stays is caught, naming it."""
+    """Defining a flag in arguments/ while its catalog entry stays is caught, naming it."""
     honoured = flags.defined_options(PARSER) | {flag}
-    with pytest.raises(RuntimeError, match=f"honoured by arguments.py AND listed.*{flag}"):
+    with pytest.raises(RuntimeError, match=f"honoured by arguments/ AND listed.*{flag}"):
         flags.check_registry(honoured)
     parser = argparse.ArgumentParser(add_help=False)  # the honoured flags, and this one
     for option in sorted(honoured - {"-h", "--help"}):
@@ -140,7 +140,7 @@ PERFORMANCE_FLAGS = [
 def test_performance_flags_are_honoured(given):
     """Megatron-LM's performance flags parse as Megatron-LM's; whether a combination runs
     here (transformer-engine for --attention-backend flash, a plan for interleaving) is
-    performance.py's to say."""
+    performance/checks.py's to say."""
     flag = next(g for g in reversed(given) if g.startswith("--"))
     assert TABLE[flag].status is flags.Status.HONOURED
     parse_args(BASE + given)
@@ -181,7 +181,7 @@ def test_refused_values_are_megatrons_and_not_ours():
     assert {o for o, _ in REFUSED_VALUES} >= {"--ckpt-format", "--optimizer", "--tokenizer-type"}
     for option, values in catalog.REFUSED_VALUES.items():
         action = PARSER._option_string_actions[option]
-        for value in values:  # stale once arguments.py runs the value: delete the entry
+        for value in values:  # stale once arguments/ runs the value: delete the entry
             assert value in megatron[option] and value in action.refused_values, (option, value)
 
 
@@ -453,7 +453,7 @@ def test_default_only_flags_are_listed_as_refused():
 
 @pytest.mark.parametrize("ruling", DEFAULT_ONLY, ids=lambda r: r.flag.name)
 def test_a_refused_flag_the_runtime_reads_runs_only_at_megatrons_default(ruling):
-    """Refused flags arguments.py defines: start-up names any other value, with the way out."""
+    """Refused flags arguments/ defines: start-up names any other value, with the way out."""
     option, default = ruling.flag.name, ruling.flag.default
     given = [option, *_non_default_value(ruling.flag)]
     with pytest.raises(HeteroError) as err:

@@ -402,7 +402,9 @@ def test_global_non_persistent_checkpoints(tmp_path):
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "loading the non-persistent checkpoint of iteration 3" in resumed.stdout
     assert sorted(resumed.iteration_losses()) == [4]
-    with pytest.raises(HeteroError, match="--non-persistent-ckpt-type local: local non-persistent"):
+    # local (and in_memory) are snapshots in peers' memory, which only an in-process restart reads
+    with pytest.raises(HeteroError, match="--non-persistent-ckpt-type local keeps snapshots in memory, which "
+                                          "only an in-process restart reads: add --inprocess-restart"):
         _args("--non-persistent-ckpt-type", "local")
 
 

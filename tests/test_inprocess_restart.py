@@ -14,24 +14,21 @@ from the last disk checkpoint, in the same processes.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import GPT_MODEL, REPO, TRAINING, assert_nothing_left, run_pretrain
+from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
 from hetero.events import CheckpointLoaded, StateRestored, losses, of_kind, read_events
-from hetero.launch.inprocess import Rejoin, finished, place, ready, report_finished, report_ready
-from hetero.launch.recovery import new_ranks, places
+from hetero.launch.inprocess import Rejoin, finished, place, places, ready, report_finished, report_ready
+from hetero.launch.recovery import new_ranks
 from hetero.plan import Plan
 from megatron.hetero.snapshots import Box, LostState, Snapshot, SnapshotStore, plan_transfers
-from test_elastic import CLUSTER, _kill_node, _plan
+from test_elastic import CLUSTER, _plan, supervise
 from tools.emulator import EmulatedCluster
 
 EMULATOR = pytest.mark.skipif(bool(EmulatedCluster.missing_prerequisites()),
@@ -91,42 +88,15 @@ def test_the_control_directory_protocol(tmp_path):
 
 # ----- on the emulated cluster ------------------------------------------------------------
 
-def _supervise(tmp_path: Path, cluster: Path, plan: Path, train: list[str], kill: list[str],
-               after_iteration: int) -> tuple[list[str], float]:
-    """Runs the job under the emulator's supervisor, kills the nodes ``kill`` once
-    ``after_iteration`` is logged (between its snapshot and the next), waits for the end.
-    Returns the output and the time of the kill."""
-    supervisor = subprocess.Popen(
-        [sys.executable, "-m", "tools.emulator", "--cluster", str(cluster), "--plan", str(plan), "--elastic",
-         "--run-dir", str(tmp_path / "runs"), "--", "pretrain_gpt.py", *train],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    try:
-        for line in supervisor.stdout:
-            lines.append(line)
-            if f"iteration {after_iteration:8d}/" in line:
-                break
-        time.sleep(0.3)  # into the next iteration: its snapshot is not taken yet
-        killed_at = time.time()
-        for host in kill:
-            assert _kill_node(host) > 0, "".join(lines)[-3000:]
-        lines += supervisor.stdout.readlines()
-        assert supervisor.wait(timeout=600) == 0, "".join(lines)[-5000:]
-    finally:
-        if supervisor.poll() is None:
-            os.killpg(supervisor.pid, signal.SIGKILL)
-    assert_nothing_left(str(tmp_path))
-    return lines, killed_at
-
-
 @pytest.mark.slow
 @EMULATOR
 def test_a_lost_node_costs_the_survivors_no_restart_and_no_file_read(tmp_path):
     plan = _plan(tmp_path)
     train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
                                     "--use-distributed-optimizer", "--inprocess-restart"]
-    lines, killed_at = _supervise(tmp_path, CLUSTER, plan, train, ["node-slow"], after_iteration=4)
+    # killed between iteration 4's snapshot and the next
+    lines, _ = supervise(tmp_path, CLUSTER, plan, train, ["node-slow"], when=f"iteration {4:8d}/",
+                         settle_s=0.3)
     output = "".join(lines)
     recorded = read_events(tmp_path / "runs" / "attempt-0-events")
     assert not of_kind(recorded, CheckpointLoaded), "no checkpoint file may be read"
@@ -204,7 +174,7 @@ def test_two_lost_nodes_that_held_a_shard_and_its_copy_fall_back_to_the_disk_che
     train = ["--num-layers", "3", *GPT_MODEL[2:], *TRAINING, "--global-batch-size", "12",
              "--lr-decay-style", "constant", "--train-iters", "8", "--use-distributed-optimizer",
              "--inprocess-restart", "--save", str(save), "--save-interval", "2"]
-    lines, _ = _supervise(tmp_path, cluster, plan, train, lose, after_iteration=3)
+    lines, _ = supervise(tmp_path, cluster, plan, train, lose, when=f"iteration {3:8d}/", settle_s=0.3)
     output = "".join(lines)
     recorded = read_events(tmp_path / "runs" / "attempt-0-events")
     (restored,) = of_kind(recorded, StateRestored)

@@ -25,7 +25,7 @@ SCANNED = ("megatron/hetero", "hetero")
 INTERNAL_REFERENCE = re.compile(r"\b(issue|round|stop)\s+#?\d", re.IGNORECASE)
 NOT_YET = re.compile(r"\bnot (supported|built|implemented) yet\b|\bnot yet (supported|built|implemented)\b",
                      re.IGNORECASE)
-# Features Megatron-Hetero runs (performance.py, arguments.py), as a refusal reason would
+# Features Megatron-Hetero runs (performance/, arguments/), as a refusal reason would
 # name them at its head ("activation recomputation (...), ...; not supported yet"): such a
 # reason is stale. A reason about a variant of one ("a recomputation variant beyond ...")
 # names the variant.

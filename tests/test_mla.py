@@ -2,7 +2,7 @@
 
 MLA's core attention has a key head size (qk_head_dim + qk_pos_emb_head_dim) different from
 its value head size (v_head_dim) and its own softmax scale (YaRN's mscale included);
-megatron-core's local DotProductAttention takes them through a patch (patches.py). Checked
+megatron-core's local DotProductAttention takes them through a patch (patches/layers.py). Checked
 against softmax(Q K^T * scale + causal mask) V on random tensors under tensor parallelism
 (gradients included), the flags against Megatron-LM's rules, and whole jobs - MLA with MoE
 and a shared expert, a DeepSeek-V3-shaped proxy - on one process, TP 2, CP 2 and TP 2 x 2 stages.

@@ -4,8 +4,9 @@
     python -m tools.patches_doc --check    # exit 1 if that block is out of date
     python -m tools.patches_doc --print    # print the block
 
-The source is megatron/hetero/patches.py: its ``PATCHES`` tuple (``Patch(name=..., why=...,
-needed=..., apply=..., versions=...)``), and the tested releases of
+The source is the package megatron/hetero/patches/: the ``PATCHES`` tuple of its
+``__init__.py`` (``Patch(name=..., why=..., needed=..., apply=..., versions=...)``), the
+functions its modules define, and the tested releases of
 megatron/hetero/core_version.py (``TESTED_MEGATRON_CORE``). The files are read with ``ast`` and
 never imported: importing ``megatron.hetero`` imports megatron-core and torch. For each
 patch the block gives its name, when it applies (the ``needed`` predicate), what it
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PATCHES_FILE = REPO / "megatron" / "hetero" / "patches.py"
+PATCHES_DIR = REPO / "megatron" / "hetero" / "patches"
+PATCHES_FILE = PATCHES_DIR / "__init__.py"  # the Patch class and the PATCHES tuple
 VERSIONS_FILE = REPO / "megatron" / "hetero" / "core_version.py"
 DOC_FILE = REPO / "docs" / "compatibility.md"
 BEGIN = ("<!-- BEGIN generated patch list: `python -m tools.patches_doc` renders it from "
-         "megatron/hetero/patches.py; do not edit by hand -->")
+         "megatron/hetero/patches/; do not edit by hand -->")
 END = "<!-- END generated patch list -->"
 
 
@@ -43,10 +45,19 @@ class PatchDoc:
     versions: tuple[str, ...]
 
 
-# ---- reading patches.py ------------------------------------------------------------------
+# ---- reading megatron/hetero/patches/ ----------------------------------------------------
 
 def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def _package_functions() -> dict[str, ast.FunctionDef]:
+    """The functions of every module of the patches package (the ``needed`` and ``apply``
+    functions PATCHES names are defined in its modules by concept)."""
+    functions = {}
+    for path in sorted(PATCHES_DIR.glob("*.py")):
+        functions.update(_functions(ast.parse(path.read_text())))
+    return functions
 
 
 def _module_value(tree: ast.Module, name: str) -> ast.expr | None:
@@ -144,7 +155,7 @@ def _string(node: ast.expr | None) -> str | None:
 
 def read_patches(source: str | None = None) -> list[PatchDoc]:
     tree = ast.parse(PATCHES_FILE.read_text() if source is None else source)
-    functions = _functions(tree)
+    functions = {**_package_functions(), **_functions(tree)}
     fields = _patch_fields(tree)
     tested = tested_releases()
     patches = _module_value(tree, "PATCHES")
@@ -206,7 +217,7 @@ def render(source: str | None = None) -> str:
             f"### `{patch.name}`",
             "",
             f"- **applies:** {patch.when}",
-            f"- **changes:** {'; '.join(patch.what) if patch.what else 'see megatron/hetero/patches.py'}",
+            f"- **changes:** {'; '.join(patch.what) if patch.what else 'see megatron/hetero/patches/'}",
             f"- **why:** {patch.why}",
             f"- **megatron-core:** {', '.join(patch.versions) or 'any'}",
             "",

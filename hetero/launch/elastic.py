@@ -50,10 +50,11 @@ class AttemptResult:
 
 class NodeRunner(Protocol):
     def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int,
-            supervisor: Callable | None = None) -> AttemptResult:
+            supervisor: InProcessSupervisor | None = None) -> AttemptResult:
         """Runs every node of the plan and waits for the job to end. supervisor (in-process
-        restart): called with the nodes' address lookup, it returns the InProcessSupervisor
-        that the runner calls when nodes are lost and asks whether the job is done."""
+        restart): the runner tells it how to find its nodes' addresses and lost launchers
+        (``address_of``, ``lost_now``), calls it when nodes are lost and asks it whether the
+        job is done."""
 
 
 def lost_hosts(result: AttemptResult, plan: Plan) -> set[str]:
@@ -111,18 +112,14 @@ def run_elastic(plan_path: str, train_args: Sequence[str], runner: NodeRunner, r
         log(f"elastic: attempt {attempt} on {len(plan.hosts())} nodes "
             f"({', '.join(h for h, _ in plan.hosts())}), plan {plan_path}"
             + (" (in-process restart after a lost node)" if in_process else ""))
-        supervisors: list[InProcessSupervisor] = []
-
-        def supervisor(address_of: Callable[[str], str], plan: Plan = plan,
-                       attempt: int = attempt) -> InProcessSupervisor:
+        supervisor = None
+        if in_process:
             control = run_dir / f"attempt-{attempt}-control"
             shutil.rmtree(control, ignore_errors=True)
-            supervisors.append(InProcessSupervisor(control, plan, run_dir, address_of, log))
-            return supervisors[-1]
-
-        result = runner.run(plan, plan_path, args, attempt, supervisor=supervisor if in_process else None)
-        if supervisors and supervisors[0].epoch:  # the plan the job ended under
-            plan = supervisors[0].plan
+            supervisor = InProcessSupervisor(control, plan, run_dir, log=log)
+        result = runner.run(plan, plan_path, args, attempt, supervisor=supervisor)
+        if supervisor is not None:
+            plan = supervisor.plan  # the plan the job ended under
         if result.returncode == 0:
             log(f"elastic: the job finished (attempt {attempt})")
             return 0

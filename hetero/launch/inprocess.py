@@ -25,9 +25,13 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
+
+if TYPE_CHECKING:
+    from hetero.plan import Plan
 
 CONTROL_DIR = "HETERO_CONTROL_DIR"
 """The job's control directory (set by the supervisor for every process of the job)."""
@@ -38,6 +42,17 @@ REJOIN = "HETERO_REJOIN"
 def place(host: str, local_rank: int) -> str:
     """A process's place in the cluster: its host and its local rank there."""
     return f"{host}:{local_rank}"
+
+
+def places(plan: "Plan") -> dict[str, int]:
+    """place(host, local rank) -> launch rank, for every process of the plan."""
+    seen: dict[str, int] = {}
+    found = {}
+    for rank, device in enumerate(plan.devices):
+        local = seen.get(device.host, 0)
+        seen[device.host] = local + 1
+        found[place(device.host, local)] = rank
+    return found
 
 
 @dataclass(frozen=True)
@@ -90,14 +105,16 @@ def report_finished(control_dir: str | os.PathLike, epoch: int, where: str) -> N
 
 def finished(control_dir: str | os.PathLike, epoch: int) -> set[str]:
     """The places that finished training under epoch's plan."""
-    folder = Path(control_dir) / f"epoch-{epoch}" / "finished"
-    return {path.stem.rsplit("-", 1)[0] + ":" + path.stem.rsplit("-", 1)[1]
-            for path in folder.glob("*.json")} if folder.is_dir() else set()
+    return {report["place"] for report in _reports(control_dir, epoch, "finished")}
 
 
 def ready(control_dir: str | os.PathLike, epoch: int) -> list[dict]:
     """The processes waiting for epoch's Rejoin."""
-    folder = Path(control_dir) / f"epoch-{epoch}" / "ready"
+    return _reports(control_dir, epoch, "ready")
+
+
+def _reports(control_dir: str | os.PathLike, epoch: int, kind: str) -> list[dict]:
+    folder = Path(control_dir) / f"epoch-{epoch}" / kind
     found = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:

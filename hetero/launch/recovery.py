@@ -2,7 +2,7 @@
 wait in their processes (hetero/launch/inprocess.py has the protocol, megatron/hetero/
 restart.py the processes' side).
 
-    supervisor = InProcessSupervisor(control_dir, plan, run_dir, address_of)
+    supervisor = InProcessSupervisor(control_dir, plan, run_dir)
     supervisor.recover({"node-slow"})   # a node's launcher died: True when the job goes on
     supervisor.done()                   # every process of the current plan finished
 
@@ -23,19 +23,8 @@ from typing import Callable
 
 from hetero.errors import HeteroError
 from hetero.launch.replan import predicted_tokens_per_s, replan, speed_text
-from hetero.launch.inprocess import Rejoin, finished, place, ready
+from hetero.launch.inprocess import Rejoin, finished, places, ready
 from hetero.plan import Plan
-
-
-def places(plan: Plan) -> dict[str, int]:
-    """place(host, local rank) -> launch rank, for every process of the plan."""
-    seen: dict[str, int] = {}
-    found = {}
-    for rank, device in enumerate(plan.devices):
-        local = seen.get(device.host, 0)
-        seen[device.host] = local + 1
-        found[place(device.host, local)] = rank
-    return found
 
 
 def new_ranks(old: Plan, new: Plan, lost: set[str]) -> dict[str, int]:
@@ -60,17 +49,17 @@ class InProcessSupervisor:
     """Re-plans a running job after lost nodes, without restarting its survivors."""
 
     def __init__(self, control_dir: str | Path, plan: Plan, run_dir: Path,
-                 address_of: Callable[[str], str], log: Callable[[str], None] = print,
-                 ready_timeout_s: float = 120.0) -> None:
+                 log: Callable[[str], None] = print, ready_timeout_s: float = 120.0) -> None:
         self.control_dir = Path(control_dir)
-        self.plan, self.run_dir = plan, run_dir
-        self.address_of, self.log = address_of, log
+        self.plan, self.run_dir, self.log = plan, run_dir, log
         self.ready_timeout_s = ready_timeout_s
         self.epoch = 0
         self.lost: set[str] = set()
         self.recovery_seconds: list[float] = []
-        # Set by the runner: the hosts whose launchers are gone now (a second node lost while
-        # the survivors gather joins the same re-plan).
+        # Set by the runner that starts the nodes: where a node's processes listen (the new
+        # store's address), and the hosts whose launchers are gone now (a second node lost
+        # while the survivors gather joins the same re-plan).
+        self.address_of: Callable[[str], str] = lambda host: host
         self.lost_now: Callable[[], set[str]] = lambda: set()
 
     def recover(self, lost: set[str]) -> bool:

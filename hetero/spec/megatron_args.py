@@ -6,7 +6,7 @@ run describe one model: the flags are parsed with Megatron-LM's own flag table
 pinned tag), Megatron-LM's derived defaults are filled in (ModelSpec), and the vocabulary is
 padded as the run pads it: the tokenizer's size rounded up to a multiple of
 --make-vocab-size-divisible-by x the plan's tensor-parallel degree (the least common multiple
-of the stages' degrees when they differ, as megatron/hetero/arguments.py::padded_vocab_size).
+of the stages' degrees when they differ, as megatron/hetero/arguments/vocabulary.py::padded_vocab_size).
 Launch scripts are read by hetero/spec/launch_script.py.
 """
 

@@ -32,7 +32,8 @@ _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expe
 
 def _stored_args(root: str, step: int | None) -> argparse.Namespace | None:
     """The arguments stored with the checkpoint under root (its latest, or iteration step)."""
-    from megatron.hetero import checkpoint_legacy, checkpointing
+    from megatron.hetero import checkpointing
+    from megatron.hetero.checkpointing import legacy as checkpoint_legacy
     from megatron.hetero.patches import import_megatron_core
 
     iteration = step if step is not None else checkpointing.latest_iteration(root)

@@ -27,7 +27,7 @@ def help_requested(argv: Sequence[str]) -> str | None:
 
 
 def _honoured_groups(parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
-    """(theme, its flags' first names) of the groups arguments.py defines: the flags that run
+    """(theme, its flags' first names) of the groups arguments/ defines: the flags that run
     (a flag refused at every value but Megatron-LM's default is left out)."""
     from megatron.hetero.flags import GIVEN  # the dest of the no-op and refused flags' groups
 

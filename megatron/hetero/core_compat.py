@@ -2,7 +2,7 @@
 
 One function per moved API, each working with 0.16.1 and 0.19.x; the rest of the runtime
 calls these instead of the megatron-core function. Patches (changes to megatron-core's own
-behaviour) stay in patches.py; this module only adapts our calls.
+behaviour) stay in patches/; this module only adapts our calls.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which megatron-core releases the runtime runs on, and the check made at start-up.
 
 Megatron-Hetero is tested with each release in ``TESTED_MEGATRON_CORE`` (``make test`` runs
-the suite on the first and a named subset on the others). Every patch (patches.py) states
+the suite on the first and a named subset on the others). Every patch (patches/) states
 the releases it applies to. Another release stops the job at start-up with the tested list,
 unless the user asks for it (``--hetero-allow-untested-megatron-core`` or
 HETERO_ALLOW_UNTESTED_MEGATRON_CORE=1): it then runs, with a warning, with the patches of

@@ -12,7 +12,7 @@ each micro-batch's aux loss by its token count and finalize_model_grads divides 
 global token count, which is the same sum under any split of the micro-batches.
 
 Expert parallelism adds two runtime pieces here: the dispatcher's all-to-all split sizes as
-host numbers on the CPU (a patch, patches.py) and the optimizer state of a checkpoint
+host numbers on the CPU (a patch, patches/layers.py) and the optimizer state of a checkpoint
 saved under another expert-parallel size (fit_optimizer_state).
 """
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hetero import env, events
 from hetero.errors import HeteroError
-from hetero.launch.inprocess import CONTROL_DIR, REJOIN, Rejoin, place, report_ready, wait_for_rejoin
+from hetero.launch.inprocess import CONTROL_DIR, REJOIN, Rejoin, report_ready, wait_for_rejoin
 from hetero.plan import Plan
 from megatron.hetero import snapshots
 from megatron.hetero.log import print_rank_0

@@ -13,7 +13,7 @@ each step is one function below:
    No process group and no patched megatron-core yet, so a bad launch fails in seconds, on
    every rank alike, with every problem found in one error (problems.py);
    ``model_args`` is this step for a model that is built or described but not trained;
-3. ``start_megatron_core``: megatron-core imported and patched (patches.py);
+3. ``start_megatron_core``: megatron-core imported and patched (patches/);
 4. ``init_distributed``: the launch checked against the plan (once per process), then the
    process groups;
 5. ``build_tokenizer``: the vocabulary padded as Megatron-LM pads it, checked against the plan;
@@ -199,7 +199,7 @@ def _check_launch(problems: Problems, args: argparse.Namespace, plan: Plan | Non
 def check_resume_shape(args: argparse.Namespace) -> None:
     """The checkpoint --load resumes against the model the flags build, before any process
     group: a difference is named with the flags that build the checkpoint's model. The
-    vocabulary is left to the load itself (checkpointing.py), which explains its padding."""
+    vocabulary is left to the load itself (checkpointing/load.py), which explains its padding."""
     from megatron.core import dist_checkpointing
     from megatron.hetero import checkpointing
 
@@ -345,7 +345,7 @@ def model_spec_of_flags(flags: Sequence[str]) -> ModelSpec:
 
 def start_megatron_core(allow_untested: bool = False) -> list[str]:
     """Imports megatron-core (its import-time compiles deferred), checks its release and
-    applies the patches this process needs (patches.py); returns their names.
+    applies the patches this process needs (patches/); returns their names.
     ``allow_untested``: --hetero-allow-untested-megatron-core."""
     from megatron.hetero.patches import apply_patches
 

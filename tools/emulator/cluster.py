@@ -257,9 +257,8 @@ class EmulatedCluster:
         readers = []
         handed_over: set[int] = set()  # launchers of nodes the job went on without, or left waiting
         try:
-            on_lost = supervisor.recover if supervisor is not None else None
-            done = supervisor.done if supervisor is not None else None
             if supervisor is not None:
+                supervisor.address_of = self.address_of
                 supervisor.lost_now = lambda: self._killed_hosts(procs)
             for node_rank in range(len(self.layout.hosts)):
                 command, node_env = self.node_command(node_rank, argv, master_port)
@@ -275,8 +274,8 @@ class EmulatedCluster:
                     raise HeteroError(f"emulated job ran past {timeout:.0f} s")
                 failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in handed_over]
                 killed = {i for i in failed if procs[i].returncode < 0}
-                if failed and on_lost is not None and set(failed) == killed and \
-                        on_lost({self.layout.hosts[i][0] for i in killed}):
+                if failed and supervisor is not None and set(failed) == killed and \
+                        supervisor.recover({self.layout.hosts[i][0] for i in killed}):
                     handed_over |= killed
                     result.killed_hosts |= {self.layout.hosts[i][0] for i in killed}
                     continue
@@ -284,7 +283,7 @@ class EmulatedCluster:
                     result.killed_hosts |= self._killed_hosts(procs)
                     time.sleep(5)  # let the others report why, then stop them
                     break
-                if done is not None and done():
+                if supervisor is not None and supervisor.done():
                     # torchrun's agents wait (minutes) in their exit barrier for lost agents
                     for _ in range(40):
                         if all(p.poll() is not None for p in procs):
@@ -348,20 +347,19 @@ class ElasticRunner:
         return directory
 
     def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int, supervisor=None):
-        """supervisor: a hetero.launch.recovery.InProcessSupervisor factory (address_of ->
-        supervisor) for jobs that restart in-process, else None."""
+        """supervisor: a hetero.launch.recovery.InProcessSupervisor for jobs that restart
+        in-process, else None."""
         from hetero.launch.elastic import AttemptResult
 
         emulated = EmulatedCluster(self.cluster, RankLayout.of_plan(plan), shaped=self.shaped,
                                    reference_tflops=self.reference_tflops)
         with emulated:
-            watching = supervisor(emulated.address_of) if supervisor is not None else None
             result = emulated.run(["pretrain_gpt.py", "--hetero-plan", plan_path, *train_args],
                                   timeout=self.timeout, echo=self.echo,
                                   master_port=20000 + (emulated.run_id + 7 * attempt) % 20000,
                                   events_dir=self.events_dir(attempt),
-                                  env={CONTROL_DIR: str(watching.control_dir)} if watching else None,
-                                  supervisor=watching)
+                                  env={CONTROL_DIR: str(supervisor.control_dir)} if supervisor else None,
+                                  supervisor=supervisor)
         return AttemptResult(result.returncode, result.killed_hosts, result.lines, result.events)
 
 
@@ -392,6 +390,26 @@ def descendants(pids: list[int]) -> list[int]:
         frontier = [child for pid in frontier for child in children.get(pid, [])]
         found += frontier
     return found
+
+
+def kill_node(host: str) -> int:
+    """SIGKILL to every process of one emulated node (its launcher and its workers), as a
+    lost machine would be; returns how many there were."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"{hetero_env.EMULATED_HOST}={host}".encode() in environ:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def kill_trees(pids: list[int]) -> None:

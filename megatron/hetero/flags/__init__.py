@@ -4,7 +4,7 @@ The facts (names, defaults, value kinds, groups) come from Megatron-LM's own par
 pinned tag (``facts``: megatron_lm_flags.json, written by tools/extract_megatron_flags.py).
 Each flag has exactly one status (``rules``):
 
-- honoured: arguments.py defines it, with Megatron-LM's meaning and default;
+- honoured: arguments/ defines it, with Megatron-LM's meaning and default;
 - no-op: accepted and reported once at start-up, where Megatron-LM ignores it too;
 - refused: parsed with Megatron-LM's value syntax, then rejected BY NAME with what the
   feature is and what to do (``catalog`` holds the reasons).
@@ -13,7 +13,7 @@ A refused flag given with Megatron-LM's default value asks for nothing Megatron-
 differently without it (``--cp-comm-type p2p``), so it is accepted as a no-op.
 
 Modules: ``facts`` (Megatron-LM's flags), ``reads`` (where Megatron-LM's pretrain_gpt.py reads
-each; the no-op rule), ``declare`` (honoured flags declared from the facts), ``catalog`` (our rulings on the flags arguments.py
+each; the no-op rule), ``declare`` (honoured flags declared from the facts), ``catalog`` (our rulings on the flags arguments/
 does not honour), ``rules`` (each flag's status), ``parsing`` (the parser side: recording,
 judging a command line), ``typos`` ("did you mean"), ``docs`` (docs/flags.md and the counts).
 Nothing here imports torch or megatron-core.

@@ -1,14 +1,14 @@
-"""What Megatron-Hetero does with each Megatron-LM flag arguments.py does not define.
+"""What Megatron-Hetero does with each Megatron-LM flag arguments/ does not define.
 
 A flag of Megatron-LM's pretrain_gpt.py (megatron_lm_flags.json) is honoured when
-arguments.py defines it; every other flag is listed here exactly once:
+arguments/ defines it; every other flag is listed here exactly once:
 
 - ``NOOPS`` (and ``noops()``): accepted, no effect, because Megatron-LM itself ignores it
   (deprecated, read nowhere, or overridden by its validate_args in every run we can make);
 - a theme of ``THEMES``: refused by name, with what the feature is and what to do
   (``REASONS`` where one flag needs its own words).
 
-``DEFAULT_ONLY`` lists flags arguments.py defines (the runtime reads their value) whose
+``DEFAULT_ONLY`` lists flags arguments/ defines (the runtime reads their value) whose
 every value but Megatron-LM's default is refused at start-up: they count as refused.
 ``REFUSED_VALUES`` lists values of honoured flags that Megatron-LM accepts and we refuse.
 ``DEFAULT_DIFFERENCES`` lists honoured flags whose default is not Megatron-LM's.
@@ -189,7 +189,7 @@ REASONS: dict[str, str] = {
                            "Megatron-Hetero builds megatron-core's GPTModel - remove it",
 }
 
-# Flags arguments.py defines, because the runtime reads their value, but whose every value
+# Flags arguments/ defines, because the runtime reads their value, but whose every value
 # other than Megatron-LM's default is refused at start-up (validate_args, configure_performance):
 # refused, under this theme. Given at the default they change nothing, as any refused flag.
 DEFAULT_ONLY: dict[str, str] = {

@@ -1,5 +1,5 @@
 """Declares honoured flags straight from Megatron-LM's facts: its names, dest, default and
-value syntax, so a flag arguments.py honours by name cannot drift from Megatron-LM's.
+value syntax, so a flag arguments/ honours by name cannot drift from Megatron-LM's.
 
 Used for the flags whose whole effect is a megatron-core config field of the same name
 (arguments.CONFIG_FIELD_FLAGS): Megatron-LM copies every such args attribute into its config,
@@ -59,7 +59,7 @@ def argparse_keywords(flag: MegatronFlag) -> dict[str, Any]:
     kind = flag.type or "str"  # argparse's default: the text as given
     if flag.action != "store" or kind not in VALUE_TYPES:
         raise HeteroError(f"{flag.name}: cannot declare a flag of action {flag.action} and type "
-                          f"{flag.type} from the facts; define it in arguments.py by hand")
+                          f"{flag.type} from the facts; define it in arguments/ by hand")
     keywords["type"] = VALUE_TYPES[kind]
     if flag.nargs is not None:
         keywords["nargs"] = flag.nargs

@@ -1,6 +1,6 @@
 """Every Megatron-LM flag known to pretrain_gpt.py's parser, and the verdict on a command line.
 
-arguments.py defines the honoured flags; ``add_megatron_flags`` adds the rest with
+arguments/ defines the honoured flags; ``add_megatron_flags`` adds the rest with
 Megatron-LM's value syntax, so a refused flag's value is parsed as Megatron-LM parses it and
 the flag is then named with its reason (``judge``), never reported as unknown.
 """
@@ -108,7 +108,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> dict[str, Ruling]:
                 if alias not in by_option:  # Megatron-LM's second name for the same action
                     action.option_strings.append(alias)
                     parser._option_string_actions[alias] = action
-            if ruling.default_only:  # the help arguments.py gave it described a flag that runs
+            if ruling.default_only:  # the help arguments/ gave it described a flag that runs
                 at_default = f" except at Megatron-LM's default ({flag.default})" if flag.takes_value else ""
                 action.help = f"refused{at_default}: {ruling.reason}".replace("%", "%%")
             _accept_megatron_values(action, flag)

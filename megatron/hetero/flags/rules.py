@@ -1,9 +1,9 @@
 """Each Megatron-LM flag's status: honoured, no-op or refused, and why.
 
-honoured: arguments.py defines it, with Megatron-LM's meaning and default (every value of it
+honoured: arguments/ defines it, with Megatron-LM's meaning and default (every value of it
 runs). no-op: catalog.NOOPS, or a flag Megatron-LM's pretrain_gpt.py never reads (``reads``:
 read nowhere, or only under a refused switch). refused: a theme of the catalog, or
-catalog.DEFAULT_ONLY (defined by arguments.py, but only Megatron-LM's default value runs).
+catalog.DEFAULT_ONLY (defined by arguments/, but only Megatron-LM's default value runs).
 
 The flags are those of the Megatron-LM tag in use (facts.megatron_tag(): the installed
 megatron-core's). Every flag of the reference tag (the first of facts.FACTS_FILES) has a
@@ -42,14 +42,14 @@ class Ruling:
 
     @property
     def default_only(self) -> bool:
-        """Refused, but defined by arguments.py: its default runs, any other value is refused
+        """Refused, but defined by arguments/: its default runs, any other value is refused
         when the flags are validated (not while parsing)."""
         return self.flag.name in catalog.DEFAULT_ONLY
 
 
 def rulings(honoured: set[str]) -> dict[str, Ruling]:
     """Each Megatron-LM flag's ruling, by its first option string; ``honoured`` are the
-    option strings arguments.py defines."""
+    option strings arguments/ defines."""
     return dict(_rulings(frozenset(honoured)))
 
 
@@ -127,7 +127,7 @@ def check_registry(honoured: set[str]) -> None:
     flags = megatron_flags()
     unread = unread_flags(honoured)
     listed = set(catalog.theme_of_flags({})) | set(catalog.noops())
-    # Flags of other programs' groups are refused whole, unless arguments.py honours one.
+    # Flags of other programs' groups are refused whole, unless arguments/ honours one.
     catalogued = listed | set(_themes(frozenset(honoured))) | set(unread)
     defined = {f.name for f in flags if honoured & set(f.option_strings)}
     problems = []
@@ -140,14 +140,14 @@ def check_registry(honoured: set[str]) -> None:
         problems.append(f"listed twice in flags/catalog.py: {', '.join(duplicates)}")
     both = sorted(defined & listed)
     if both:
-        problems.append(f"honoured by arguments.py AND listed in flags/catalog.py (delete the "
+        problems.append(f"honoured by arguments/ AND listed in flags/catalog.py (delete the "
                         f"catalog entry): {', '.join(both)}")
     neither = sorted(f.name for f in flags if f.name not in defined | catalogued)
     if neither:
         problems.append(f"neither honoured nor in flags/catalog.py: {', '.join(neither)}")
     undefined = sorted(set(catalog.DEFAULT_ONLY) - defined)
     if undefined:
-        problems.append(f"in flags/catalog.py's DEFAULT_ONLY but not defined by arguments.py "
+        problems.append(f"in flags/catalog.py's DEFAULT_ONLY but not defined by arguments/ "
                         f"(list it under a theme instead): {', '.join(undefined)}")
     unknown = sorted((catalogued | set(catalog.DEFAULT_ONLY)) - known_flag_names())
     if unknown:

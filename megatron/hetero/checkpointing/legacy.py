@@ -10,7 +10,7 @@ Each (tensor, pipeline) rank's file holds that rank's own pieces of the model ("
 "checkpoint_version" and "num_floating_point_operations_so_far"; the first data-parallel
 replica writes it, as in Megatron-LM. The pieces are cut by the layout that wrote them, so
 the format loads only under that layout: same tensor- and pipeline-parallel sizes, same
-layers per stage. checkpointing.py names the way to another plan (load it once with
+layers per stage. load.py names the way to another plan (load it once with
 --auto-detect-ckpt-format and save torch_dist, which every plan reads).
 """
 
@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import HeteroError
+from megatron.hetero.patches import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 

@@ -1,4 +1,9 @@
-"""A checkpoint's manifest: every file with its size and checksum, written last.
+"""A checkpoint directory: the tracker, the iterations, each one's manifest.
+
+    DIR/latest_checkpointed_iteration.txt     the last complete checkpoint's iteration
+    DIR/iter_0000010/                         megatron-core dist checkpoint (torch_dist)
+    DIR/iter_0000010/hetero_plan.json         the plan that wrote it
+    DIR/iter_0000010/hetero_manifest.json     every file with its size and checksum, written last
 
 megatron-core's distributed checkpoint has no way to tell a complete file from one cut
 short by a full disk, a killed writer or a bad copy: loading such a file fails deep in
@@ -19,8 +24,31 @@ from pathlib import Path
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
 
+TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "hetero_manifest.json"
 _CHUNK = 1 << 20
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | os.PathLike) -> int | None:
+    """The iteration of the last complete checkpoint under root, or None if there is none."""
+    tracker = Path(root) / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise HeteroError(f"{tracker} should hold an iteration number, found {text!r}") from None
+    if not is_complete(iteration_dir(root, iteration)):
+        raise HeteroError(
+            f"{tracker} names iteration {iteration} but {iteration_dir(root, iteration)} is not a "
+            "complete checkpoint; restore it or point --load at another directory"
+        )
+    return iteration
 
 
 def _crc32(path: Path) -> str:
