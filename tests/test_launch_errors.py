@@ -15,6 +15,7 @@ import pytest
 
 from conftest import GPT_MODEL, REPO, TRAINING, make_plan, run_pretrain
 from hetero.errors import HeteroError
+from hetero.plan import Plan
 from megatron.hetero.startup import configure
 
 ARGS = GPT_MODEL + TRAINING
@@ -233,3 +234,19 @@ def test_a_rank_with_a_problem_of_its_own_says_it_too(tmp_path):
     assert own and "2 problems with this launch" in own[0], result.stderr[-3000:]
     assert "--bf16" in result.stderr.split("[launch rank 1] error:")[1]
     assert "[launch rank 0] error: 1 of 2 processes do not match the plan's devices" in result.stderr
+
+
+def test_processes_without_gpus_are_shown_the_per_local_rank_emulation():
+    """A plan of two device types launched by one torchrun on CPUs: the fix names the one
+    HETERO_DEVICE value that gives each local rank its device."""
+    from megatron.hetero.distributed import FoundDevice, check_device_reports
+    from hetero.env import Launch
+
+    devices = [{"host": "n0", "device_type": "cpu-fast", "vendor": "cpu"}] * 2 + \
+              [{"host": "n1", "device_type": "cpu-slow", "vendor": "cpu"}] * 2
+    plan = Plan.from_dict(make_plan(tp=1, pp=2, dp=2, stages=[2, 2], replicas=[4, 4], rank_order=[0, 1, 2, 3],
+                                    devices=devices))
+    found = [FoundDevice("cpu", "cpu", "no GPU visible")] * 4
+    with pytest.raises(HeteroError) as err:
+        check_device_reports(plan, Launch(rank=0, world_size=4, local_rank=0, local_world_size=4), found)
+    assert "HETERO_DEVICE=cpu-fast,cpu-fast,cpu-slow,cpu-slow" in str(err.value)

@@ -136,8 +136,21 @@ def check_device_reports(plan: Plan, launch: Launch, reports: list[FoundDevice])
         raise HeteroError(
             f"{len(problems)} of {launch.world_size} processes do not match the plan's devices:\n  - "
             + "\n  - ".join(shown)
+            + _emulation_hint(plan, reports)
             + "\nLaunch the plan on the cluster it was made for, or regenerate it for this one."
         )
+
+
+def _emulation_hint(plan: Plan, reports: list[FoundDevice]) -> str:
+    """Where no process sees a GPU and the plan's devices differ, the per-local-rank form of
+    HETERO_DEVICE for launchers that start several ranks of different types."""
+    types = [device.device_type for device in plan.devices]
+    if len(set(types)) < 2 or any(found.how != "no GPU visible" for found in reports):
+        return ""
+    return (f"\nTo emulate the plan's devices on CPUs, give one entry per local rank: one launcher "
+            f"starting every rank takes {env.DEVICE}={env.per_local_rank_value(types, env.DEVICE)}; "
+            "several take their own ranks' entries (`python -m hetero.launch PLAN --emulate-devices` "
+            "prints each node's).")
 
 
 _devices_checked = False  # the check runs once per process (start-up runs it with the flags')
