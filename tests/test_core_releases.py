@@ -1,8 +1,8 @@
 """Checkpoints across the tested megatron-core releases: ours saved under 0.16.1 resume
 under 0.19.2 (and the other way) under a heterogeneous plan, continuing the same training.
 
-Runs in `make test`'s megatron-core 0.19.2 pass (PYTHONPATH=.core019 before .venv's
-0.16.1): the 0.16.1 side is the same interpreter with that folder taken off PYTHONPATH.
+Each side runs in a fresh interpreter on its release: 0.19.2 with the folder `make test`
+installs it into (.core019) first on PYTHONPATH, 0.16.1 with that folder taken off.
 """
 
 from __future__ import annotations
@@ -15,35 +15,35 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import GPT_MODEL, TRAINING, make_plan, run_pretrain  # noqa: E402
-from megatron.hetero.core_version import installed_megatron_core  # noqa: E402
+from conftest import GPT_MODEL, REPO, TRAINING, make_plan, run_pretrain  # noqa: E402
 
 SIX = GPT_MODEL + TRAINING + ["--train-iters", "6"]
 # Uneven stages at their own tensor-parallel degrees, ranks permuted; unequal replicas.
 STAGE_TP_PLAN = make_plan(tp=1, pp=2, dp=1, stages=[3, 1], replicas=[8], rank_order=[2, 0, 1], stage_tp=[2, 1])
 UNEVEN = make_plan(tp=1, pp=2, dp=2, stages=[1, 3], replicas=[5, 3], rank_order=[1, 3, 0, 2])
 
+CORE019 = REPO / ".core019"
+
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.core019,
-    pytest.mark.skipif(installed_megatron_core() != "0.19.2",
-                       reason="runs in make test's megatron-core 0.19.2 pass (PYTHONPATH=.core019)"),
+    pytest.mark.skipif(not (CORE019 / "megatron" / "core").is_dir(),
+                       reason="megatron-core 0.19.2 is not installed in .core019 (make test installs it)"),
 ]
 
 
-def _without_core019() -> dict:
-    """The environment of a run on .venv's megatron-core 0.16.1: PYTHONPATH without the folder
-    that holds megatron-core 0.19.2."""
+def _environment(release: str) -> dict:
+    """PYTHONPATH for a run on ``release``: .core019 first for 0.19.2; without any folder that
+    holds megatron-core for 0.16.1 (.venv's)."""
     kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
             if p and not (Path(p) / "megatron" / "core").is_dir()]
+    if release == "0.19.2":
+        kept.insert(0, str(CORE019))
     return {"PYTHONPATH": os.pathsep.join(kept)}
 
 
 def _run(args, release, **kwargs):
-    if release == "0.16.1":  # a fresh interpreter: the job server of this suite runs 0.19.2
-        kwargs.setdefault("launcher", "torchrun")
-        kwargs["env"] = _without_core019()
-    result = run_pretrain(args, **kwargs)
+    # a fresh interpreter on the release: the suite's job server runs the release it was started on
+    result = run_pretrain(args, launcher="torchrun", env=_environment(release), **kwargs)
     assert result.returncode == 0, result.output[-3000:]
     assert f"> megatron-core {release} patches applied" in result.stdout, result.stdout[-3000:]
     return result
