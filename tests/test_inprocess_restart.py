@@ -14,6 +14,8 @@ from the last disk checkpoint, in the same processes.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,7 @@ from hetero.launch.inprocess import Rejoin, finished, place, places, ready, repo
 from hetero.launch.recovery import new_ranks
 from hetero.plan import Plan
 from megatron.hetero.snapshots import Box, LostState, Snapshot, SnapshotStore, plan_transfers
-from test_elastic import CLUSTER, _plan, supervise
+from test_elastic import CLUSTER, _plan, assert_nothing_left, kill_node, supervise
 from tools.emulator import EmulatedCluster
 
 EMULATOR = pytest.mark.skipif(bool(EmulatedCluster.missing_prerequisites()),
@@ -74,6 +76,22 @@ def test_survivors_keep_their_devices_under_the_re_plan(tmp_path):
 
     new = replan(old, {"node-slow"})
     assert new_ranks(old, new, {"node-slow"}) == {"node-fast:0": 0, "node-fast:1": 1}
+    # node-slow back: its new processes take the full plan's ranks there, one per device
+    assert new_ranks(new, old, set(), joining={"node-slow"}) == places(old)
+
+
+def test_a_returned_node_is_reported_and_taken_back_once(tmp_path):
+    from hetero.launch.inprocess import launch_environment, report_returned, returned, taken_back
+
+    report_returned(tmp_path, "node-slow")
+    assert returned(tmp_path) == {"node-slow"}
+    taken_back(tmp_path, {"node-slow"})
+    assert returned(tmp_path) == set()
+    rejoin = Rejoin(2, "p.json", "10.0.0.1", 30001, {"node-fast:0": 0, "node-slow:0": 1, "node-slow:1": 2})
+    assert launch_environment(rejoin, "node-slow:1") == {
+        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "30001", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert launch_environment(rejoin, "node-other:0") is None
 
 
 def test_the_control_directory_protocol(tmp_path):
@@ -182,3 +200,74 @@ def test_two_lost_nodes_that_held_a_shard_and_its_copy_fall_back_to_the_disk_che
     assert "held by no surviving rank" in restored.detail
     assert "falling back to the last disk checkpoint" in output
     assert "elastic: the job finished (attempt 0)" in output, output[-3000:]
+
+
+@pytest.mark.slow
+@EMULATOR
+def test_a_returned_node_joins_without_a_restart_of_the_others(tmp_path):
+    """node-slow is lost, the job goes on in-process on node-fast; node-slow comes back and
+    joins at an iteration boundary: node-fast's processes are never restarted, the returned
+    node's new processes get their state from the others' snapshots (no file read), and the
+    whole run trains what one process trains."""
+    from tools.emulator.cluster import return_node
+
+    plan = _plan(tmp_path)
+    iterations = 300  # long enough for the returned node's processes to start while it trains
+    train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", str(iterations),
+                                    "--use-distributed-optimizer", "--inprocess-restart"]
+    control = tmp_path / "runs" / "attempt-0-control"
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "tools.emulator", "--cluster", str(CLUSTER), "--plan", str(plan), "--elastic",
+         "--run-dir", str(tmp_path / "runs"), "--", "pretrain_gpt.py", *train],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+
+    def read_until(text: str) -> None:
+        for line in supervisor.stdout:
+            lines.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"the job ended before {text!r}:\n" + "".join(lines)[-4000:])
+
+    try:
+        read_until(f"iteration {3:8d}/")
+        assert kill_node("node-slow") > 0
+        read_until("restored from memory")
+        return_node(control, "node-slow")
+        read_until("came back; re-planned in-process")
+        lines += supervisor.stdout.readlines()
+        assert supervisor.wait(timeout=600) == 0, "".join(lines)[-5000:]
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    assert_nothing_left(str(tmp_path))
+    output = "".join(lines)
+    recorded = read_events(tmp_path / "runs" / "attempt-0-events")
+    assert not of_kind(recorded, CheckpointLoaded), "no checkpoint file may be read"
+    restored = of_kind(recorded, StateRestored)
+    assert len(restored) == 2, output[-6000:]
+    lost, joined = restored
+    assert (lost.epoch, lost.source, joined.epoch, joined.source) == (1, "memory", 2, "memory"), (lost, joined)
+    assert joined.iteration > lost.iteration, (lost, joined)
+    # node-fast's processes are the ones that started the job, through both re-plans; node-slow's
+    # are new ones, started for the join, and they finish the run too.
+    waited = {r["place"]: r["pid"] for r in ready(control, 1)}
+    finished_by = {json.loads(p.read_text())["place"]: json.loads(p.read_text())["pid"]
+                   for p in (control / "epoch-2" / "finished").glob("*.json")}
+    joiners = {r["place"]: r["pid"] for r in ready(control, 2) if r.get("joining")}
+    assert set(waited) == {"node-fast:0", "node-fast:1"}, waited
+    assert set(joiners) == {"node-slow:0", "node-slow:1"}, joiners
+    assert finished_by == {**waited, **joiners}, (finished_by, waited, joiners)
+    assert Plan.load(tmp_path / "runs" / "plan-inprocess-2.json").world_size == Plan.load(plan).world_size
+    assert "join at the next iteration boundary" in output
+    # Every iteration trained once in the end, and the run as a whole is one process's run.
+    got = losses(recorded)
+    assert sorted(got) == list(range(1, iterations + 1)), sorted(got)
+    reference = run_pretrain(train[:-1], nproc=1, timeout=600)
+    assert reference.returncode == 0, reference.output[-3000:]
+    want = reference.iteration_losses()
+    worst = max(abs(got[i] - want[i]) / abs(want[i]) for i in range(1, iterations + 1))
+    print(f"largest relative loss difference to one process: {worst:.2e}")
+    for i in range(1, iterations + 1):  # re-planned reductions sum in another order
+        assert abs(got[i] - want[i]) <= 1e-4 * abs(want[i]), (i, got[i], want[i])

@@ -18,8 +18,9 @@ wait in their processes while the supervisor re-plans, then rebuild their groups
 and restore the state from the snapshots they hold in memory (hetero.launch.recovery; no
 --save needed, and no file read). A restart from the last checkpoint remains the fallback.
 
-Nodes that come back are not taken in while the job runs; restart the supervisor with
-the full cluster's plan to use them again.
+Under in-process restart a node that comes back joins the running job at an iteration
+boundary (hetero.launch.recovery: ``admit``). After a restart from the last checkpoint,
+restart the supervisor with the full cluster's plan to use it again.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hetero import env
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
 
@@ -88,6 +89,39 @@ class Rejoin:
             return None
         except (OSError, ValueError, TypeError) as err:
             raise HeteroError(f"{path}: not a readable re-plan of the job ({err})") from None
+
+
+def launch_environment(rejoin: Rejoin, where: str) -> dict | None:
+    """The torchrun-style variables of the process at ``where`` under ``rejoin`` (None: it
+    leaves the job). The new launch rank 0 hosts the rendezvous store."""
+    if where not in rejoin.ranks:
+        return None
+    rank = rejoin.ranks[where]
+    host = where.rsplit(":", 1)[0]
+    local = sorted(r for p, r in rejoin.ranks.items() if p.rsplit(":", 1)[0] == host)
+    return {env.RANK: str(rank), env.WORLD_SIZE: str(rejoin.world_size), env.LOCAL_RANK: str(local.index(rank)),
+            env.LOCAL_WORLD_SIZE: str(len(local)), env.MASTER_ADDR: rejoin.store_host,
+            env.MASTER_PORT: str(rejoin.store_port),
+            # torchrun's agent hosted the first store; the new one is hosted by the new rank 0
+            "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def report_returned(control_dir: str | os.PathLike, host: str) -> None:
+    """A lost node is back and may take part again (written by whoever brings it back: an
+    operator, the emulator's fault script; the Slurm driver sees it in Slurm's node states)."""
+    write_json_atomic(Path(control_dir) / "returned" / f"{host}.json", {"host": host, "at": time.time()})
+
+
+def returned(control_dir: str | os.PathLike) -> set[str]:
+    """The hosts reported back (report_returned) and not yet taken in."""
+    folder = Path(control_dir) / "returned"
+    return {path.stem for path in folder.glob("*.json")} if folder.is_dir() else set()
+
+
+def taken_back(control_dir: str | os.PathLike, hosts: set[str]) -> None:
+    """Clears the return reports of hosts the job took in again."""
+    for host in hosts:
+        (Path(control_dir) / "returned" / f"{host}.json").unlink(missing_ok=True)
 
 
 def report_ready(control_dir: str | os.PathLike, epoch: int, where: str, facts: dict) -> None:

@@ -12,22 +12,29 @@ rank that received stop signal N.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Sequence
 
 from hetero import env
 from hetero.errors import HeteroError
+from hetero.launch.inprocess import (CONTROL_DIR, REJOIN, launch_environment, place, report_ready,
+                                     wait_for_rejoin)
 from megatron.hetero import startup
 from megatron.hetero.distributed import Launch, node_leader_error, read_launch, wait_for_peers_to_fail
 from megatron.hetero.log import error
 
 BAD_INPUT = 2
+JOIN_TIMEOUT_S = 600  # a returned node's processes wait this long for the running job's re-plan
 
 
 def main(argv: Sequence[str]) -> int:
     """Returns the process exit code: 0, or 2 for bad input (reported on every rank)."""
     try:
+        argv = _join_running_job(argv)
+        if argv is None:
+            return 0
         launch = read_launch()
     except HeteroError as err:  # a launch variable is malformed: no rank to name yet
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -49,6 +56,32 @@ def main(argv: Sequence[str]) -> int:
         error(launch.rank, str(err))
         return _stop_on_bad_input(launch)
     return 0
+
+
+def _join_running_job(argv: Sequence[str]) -> list[str] | None:
+    """A returned node's process (HETERO_REJOIN=epoch, started by the job's supervisor): set
+    up first, then say so and wait for the job's re-plan, which gives this process its launch
+    variables and the plan (hetero/launch/recovery.py). None: the re-plan left it out."""
+    epoch = env.get(REJOIN)
+    if epoch is None:
+        return list(argv)
+    from megatron.hetero import training  # noqa: F401  (imports megatron-core before the job waits)
+
+    control_dir = env.get(CONTROL_DIR)
+    if not control_dir:
+        raise HeteroError(f"{REJOIN} is set without {CONTROL_DIR}: a process joins a running job only when "
+                          "the job's supervisor starts it")
+    where = place(env.host(), env.local_rank())
+    report_ready(control_dir, int(epoch), where, {"joining": True})
+    rejoin = wait_for_rejoin(control_dir, int(epoch), timeout_s=JOIN_TIMEOUT_S)
+    variables = launch_environment(rejoin, where)
+    if variables is None:
+        print(f"[{where}] the job's re-plan (epoch {epoch}) leaves this returned process out; it ends", flush=True)
+        return None
+    os.environ.update(variables)
+    from megatron.hetero.training.run import _with_plan
+
+    return _with_plan(argv, rejoin.plan)
 
 
 def _stop_on_bad_input(launch: Launch) -> int:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from hetero import env, events
 from hetero.errors import HeteroError
-from hetero.launch.inprocess import CONTROL_DIR, REJOIN, Rejoin, report_ready, wait_for_rejoin
+from hetero.launch.inprocess import (CONTROL_DIR, REJOIN, Rejoin, launch_environment, report_ready,  # noqa: F401
+                                     wait_for_rejoin)
 from hetero.plan import Plan
 from megatron.hetero import snapshots
 from megatron.hetero.log import print_rank_0
@@ -216,21 +217,6 @@ def _shut_connections() -> None:
             pass  # not connected
         finally:
             duplicate.close()
-
-
-def launch_environment(rejoin: Rejoin, where: str) -> dict | None:
-    """The torchrun-style variables of the process at ``where`` under ``rejoin`` (None: it
-    leaves the job). The new launch rank 0 hosts the rendezvous store."""
-    if where not in rejoin.ranks:
-        return None
-    rank = rejoin.ranks[where]
-    host = where.rsplit(":", 1)[0]
-    local = sorted(r for p, r in rejoin.ranks.items() if p.rsplit(":", 1)[0] == host)
-    return {env.RANK: str(rank), env.WORLD_SIZE: str(rejoin.world_size), env.LOCAL_RANK: str(local.index(rank)),
-            env.LOCAL_WORLD_SIZE: str(len(local)), env.MASTER_ADDR: rejoin.store_host,
-            env.MASTER_PORT: str(rejoin.store_port),
-            # torchrun's agent hosted the first store; the new one is hosted by the new rank 0
-            "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
 def said_lost_state(err: LostState, fallback: str | None) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hetero import env as hetero_env, events
 from hetero.events import Event
-from hetero.launch.inprocess import CONTROL_DIR
+from hetero.launch.inprocess import CONTROL_DIR, REJOIN, report_returned, returned
 from hetero.spec.cluster import Cluster
 from hetero.errors import HeteroError
 from hetero.plan import Plan
@@ -234,10 +234,14 @@ class EmulatedCluster:
 
         In-process restart: ``supervisor`` (hetero.launch.recovery.InProcessSupervisor) is
         told when nodes' launchers die of a signal (``recover``); when it answers True the job
-        goes on without them (their exit is no failure). Once it says every process finished
-        training (``done``), the launchers left waiting for lost peers' launchers are ended."""
+        goes on without them (their exit is no failure). A lost node reported back
+        (hetero.launch.inprocess.report_returned; ``return_node`` here) is offered to it
+        (``admit``), which has this runner start the node's processes to join the job. Once it
+        says every process finished training (``done``), the launchers left waiting for lost
+        peers' launchers are ended."""
         master_port = master_port or 20000 + self.run_id % 20000
         result, procs, lock = JobResult(0), [], threading.Lock()
+        proc_hosts: list[str] = []  # the host of each process started (a node's launcher, a joiner)
         self.current = result
         own_events = events_dir is None
         events_dir = Path(tempfile.mkdtemp(prefix="hetero-events.")) if own_events else Path(events_dir)
@@ -257,17 +261,26 @@ class EmulatedCluster:
         readers = []
         handed_over: set[int] = set()  # launchers of nodes the job went on without, or left waiting
         try:
-            if supervisor is not None:
-                supervisor.address_of = self.address_of
-                supervisor.lost_now = lambda: self._killed_hosts(procs)
-            for node_rank in range(len(self.layout.hosts)):
-                command, node_env = self.node_command(node_rank, argv, master_port)
-                proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **node_env, **job_env},
+            def launch(command: list[str], variables: dict, host: str) -> None:
+                proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **variables, **job_env},
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
                 procs.append(proc)
+                proc_hosts.append(host)
                 readers.append(threading.Thread(target=pump, args=(proc,), daemon=True))
                 readers[-1].start()
+
+            def start_node(host: str, epoch: int) -> None:
+                for command, variables in self.joining_commands(host, argv, epoch):
+                    launch(command, variables, host)
+
+            if supervisor is not None:
+                supervisor.address_of = self.address_of
+                supervisor.lost_now = lambda: self._killed_hosts(procs, proc_hosts)
+                supervisor.start_node = start_node
+            for node_rank in range(len(self.layout.hosts)):
+                command, node_env = self.node_command(node_rank, argv, master_port)
+                launch(command, node_env, self.layout.hosts[node_rank][0])
             deadline = start + timeout
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > deadline:
@@ -275,14 +288,17 @@ class EmulatedCluster:
                 failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in handed_over]
                 killed = {i for i in failed if procs[i].returncode < 0}
                 if failed and supervisor is not None and set(failed) == killed and \
-                        supervisor.recover({self.layout.hosts[i][0] for i in killed}):
+                        supervisor.recover({proc_hosts[i] for i in killed}):
                     handed_over |= killed
-                    result.killed_hosts |= {self.layout.hosts[i][0] for i in killed}
+                    result.killed_hosts |= {proc_hosts[i] for i in killed}
                     continue
                 if failed:
-                    result.killed_hosts |= self._killed_hosts(procs)
+                    result.killed_hosts |= self._killed_hosts(procs, proc_hosts)
                     time.sleep(5)  # let the others report why, then stop them
                     break
+                if supervisor is not None and (back := returned(supervisor.control_dir) & supervisor.lost):
+                    supervisor.admit(back)
+                    continue
                 if supervisor is not None and supervisor.done():
                     # torchrun's agents wait (minutes) in their exit barrier for lost agents
                     for _ in range(40):
@@ -296,7 +312,7 @@ class EmulatedCluster:
                     break
                 time.sleep(0.05)
             else:
-                result.killed_hosts |= self._killed_hosts(procs)
+                result.killed_hosts |= self._killed_hosts(procs, proc_hosts)
         finally:
             with signals_held():
                 kill_trees([p.pid for p in procs if p.poll() is None])
@@ -320,9 +336,18 @@ class EmulatedCluster:
         """The address a node's processes listen on (its namespace's, or this machine's)."""
         return self._network.node(host).address if self._network else "127.0.0.1"
 
-    def _killed_hosts(self, procs: list[subprocess.Popen]) -> set[str]:
-        return {host for (host, _), proc in zip(self.layout.hosts, procs)
-                if proc.poll() is not None and proc.returncode < 0}
+    def _killed_hosts(self, procs: list[subprocess.Popen], hosts: list[str]) -> set[str]:
+        return {host for host, proc in zip(hosts, procs) if proc.poll() is not None and proc.returncode < 0}
+
+    def joining_commands(self, host: str, argv: list[str], epoch: int) -> list[tuple[list[str], dict]]:
+        """The processes of a returned node, one per device, started outside torchrun: they
+        join the running job at ``epoch`` and take their launch rank from its re-plan."""
+        node_rank = next(i for i, (name, _) in enumerate(self.layout.hosts) if name == host)
+        launcher, variables = self.node_command(node_rank, argv, 0)
+        prefix = launcher[:launcher.index(sys.executable)]  # the node's network namespace
+        command = [*prefix, sys.executable, "-m", "tools.emulator.rank_entry", *argv]
+        return [(command, {**variables, hetero_env.LOCAL_RANK: str(local), REJOIN: str(epoch)})
+                for local in range(len(self.layout.hosts[node_rank][1]))]
 
 
 class ElasticRunner:
@@ -410,6 +435,12 @@ def kill_node(host: str) -> int:
             except ProcessLookupError:
                 pass
     return killed
+
+
+def return_node(control_dir: str | os.PathLike, host: str) -> None:
+    """Brings a killed emulated node back (its namespace and quotas stayed): the running job's
+    supervisor takes it in at an iteration boundary (in-process restart)."""
+    report_returned(control_dir, host)
 
 
 def kill_trees(pids: list[int]) -> None:
