@@ -549,3 +549,70 @@ def test_one_job_loses_a_node_a_heterogeneous_one_cannot_and_the_driver_gives_up
                                                    text=True).stdout == "", 30, output)
     assert_nothing_left(str(tmp_path))
     slurm.restart_node("node1")
+
+
+@pytest.mark.slow
+def test_in_process_restart_under_slurm_loses_a_node_without_a_restart_and_takes_it_back(slurm, tmp_path):
+    """--inprocess-restart under the driver: node2 (the second node of component 0, Slurm's
+    default SlurmdTimeout) is killed between snapshots; the survivors go on in their
+    processes from memory (no checkpoint read), and node2, restarted, joins the running job."""
+    from hetero.events import CheckpointLoaded, StateRestored
+    from hetero.launch.inprocess import ready
+
+    slurm.wait_idle(timeout=60)
+    plan = _heterogeneous_plan(tmp_path, slurm)
+    run_dir = tmp_path / "run"
+    iterations = 200  # long enough for node2's processes to start while the job trains
+    train = _training(None) + ["--inprocess-restart", "--use-distributed-optimizer"]
+    train[train.index("--train-iters") + 1] = str(iterations)
+    done = _cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
+                "--run-dir", str(run_dir), "--poll-s", "2", "--env", "GLOO_SOCKET_IFNAME=eth0",
+                "--env", "OMP_NUM_THREADS=1", "--", *train, cwd=REPO)
+    output = run_dir / f"slurm-{done.stdout.split('submitted job ')[1].split()[0]}.out"
+    events_dir = run_dir / "attempt-0-events"
+    record_path = run_dir / "driver.json"
+
+    def record() -> dict:
+        return json.loads(record_path.read_text()) if record_path.exists() else {}
+
+    _wait("iteration 3", lambda: any(e.iteration >= 3 for e in of_kind(read_events(events_dir), Iteration)), 180, output)
+    slurm.kill_node("node2")
+    killed_at = time.time()
+    restored = _wait("the state restored in memory", lambda: of_kind(read_events(events_dir), StateRestored), 120,
+                     output)[0]
+    resumed = _wait("the first iteration after the re-plan", lambda: [
+        e for e in of_kind(read_events(events_dir), Iteration) if e.time > restored.time], 60, output)[0]
+    slurm.restart_node("node2", wait=False)
+    _wait("node2 taken back", lambda: len(record().get("attempts", [{}])[0].get("replans", [])) >= 2, 180, output)
+    final = _wait("the job to end", lambda: record().get("outcome") and record(), 600, output)
+    text = output.read_text()
+    assert final["outcome"] == "finished", text[-6000:]
+    slurm.wait_idle(timeout=30)
+    assert subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True, text=True).stdout == ""
+    assert_nothing_left(str(tmp_path))
+
+    (attempt,) = final["attempts"]  # one attempt: no process of the survivors restarted
+    assert [(r["kind"], r["nodes"]) for r in attempt["replans"]] == [("lost", ["node2"]), ("returned", ["node2"])]
+    events = read_events(events_dir)
+    assert not of_kind(events, CheckpointLoaded), "no checkpoint file may be read"
+    assert [(r.epoch, r.source) for r in of_kind(events, StateRestored)] == [(1, "memory"), (2, "memory")]
+    assert restored.iteration >= 2, restored  # at most the iteration since the last snapshot lost
+    control = run_dir / "attempt-0-control"
+    waited = {r["place"]: r["pid"] for r in ready(control, 1)}
+    finished_by = {json.loads(p.read_text())["place"]: json.loads(p.read_text())["pid"]
+                   for p in (control / "epoch-2" / "finished").glob("*.json")}
+    joiners = {r["place"]: r["pid"] for r in ready(control, 2) if r.get("joining")}
+    assert set(waited) == {"node0:0", "node0:1", "node1:0"} and set(joiners) == {"node2:0"}, (waited, joiners)
+    assert finished_by == {**waited, **joiners}, (finished_by, waited, joiners)
+    assert "node2 stays in job" in text  # component 0's second node: Slurm cannot take it out
+
+    # Every iteration trained in the end, as one process trains it.
+    got = {e.iteration: iteration_figure(e, "lm loss") for e in of_kind(events, Iteration)}  # the last of each
+    assert sorted(got) == list(range(1, iterations + 1))
+    reference = run_pretrain([a for a in train if a != "--inprocess-restart"], timeout=900)  # one process
+    assert reference.returncode == 0, reference.output[-3000:]
+    want = dict(enumerate(reference.series("lm loss"), start=1))
+    worst = max(abs(got[i] - want[i]) / abs(want[i]) for i in got)
+    print(f"  kill -> first resumed iteration (in-process) {resumed.time - killed_at:6.1f} s; largest relative "
+          f"loss difference to one process {worst:.1e}")
+    assert worst <= 1e-4

@@ -75,8 +75,8 @@ class InProcessSupervisor:
         # while the survivors gather joins the same re-plan).
         self.address_of: Callable[[str], str] = lambda host: host
         self.lost_now: Callable[[], set[str]] = lambda: set()
-        # Starts a returned node's processes for a re-plan's epoch (they join the job).
-        self.start_node: Callable[[str, int], None] | None = None
+        # Starts a returned node's processes for a re-plan (host, epoch, plan): they join the job.
+        self.start_node: Callable[[str, int, Plan], None] | None = None
         self.join_seconds: list[float] = []
 
     def recover(self, lost: set[str]) -> bool:
@@ -120,26 +120,28 @@ class InProcessSupervisor:
         self.lost |= lost
         return True
 
-    def admit(self, back: set[str]) -> bool:
-        """Takes lost nodes that came back into the running job (module docstring); False when
-        they were not taken (no better plan with them, a runner that cannot start them, their
-        processes not ready in time, a node lost meanwhile)."""
-        back &= self.lost
+    def admit(self, back: set[str], new_plan: Plan | None = None) -> bool:
+        """Takes nodes that came back into the running job (module docstring), under
+        ``new_plan`` when the runner planned it (default: the first plan's cluster less the
+        nodes still lost); False when they were not taken (no plan with them, a runner that
+        cannot start them, their processes not ready in time, a node lost meanwhile)."""
+        back -= {host for host, _ in self.plan.hosts()}
         if not back or self.start_node is None:
             return False
         started = time.monotonic()
-        try:
-            new_plan = replan(self.first_plan, self.lost - back)
-        except HeteroError as err:
-            self.log(f"elastic: {', '.join(sorted(back))} came back; no re-plan with it ({err})")
-            return False
+        if new_plan is None:
+            try:
+                new_plan = replan(self.first_plan, self.lost - back)
+            except HeteroError as err:
+                self.log(f"elastic: {', '.join(sorted(back))} came back; no re-plan with it ({err})")
+                return False
         epoch = self.epoch + 1
         plan_path = self.run_dir / f"plan-inprocess-{epoch}.json"
         new_plan.save(plan_path)
         ranks = new_ranks(self.plan, new_plan, self.lost, joining=back)
         joining = {where for where in ranks if where.rsplit(":", 1)[0] in back}
         for host in sorted(back):
-            self.start_node(host, epoch)
+            self.start_node(host, epoch, new_plan)
         deadline = time.monotonic() + self.ready_timeout_s
         while not joining <= {r["place"] for r in ready(self.control_dir, epoch)}:
             if self.lost_now() - self.lost or time.monotonic() > deadline:

@@ -43,6 +43,11 @@ from megatron.hetero.identity import compute_device
 from megatron.hetero.log import error
 
 HEARTBEAT_S = 1.0
+# After a communication error under in-process restart: a peer silent this long is lost. A
+# live peer beats every HEARTBEAT_S; one whose connection closed and that stopped beating is
+# gone, and its node need not be waited for until --inprocess-heartbeat-timeout (on another
+# machine its pid cannot be looked up).
+SILENT_AFTER_ERROR_S = 3 * HEARTBEAT_S
 EXIT_CODE = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -241,7 +246,14 @@ class Watchdog:
             self.recovering = True  # another survivor found the loss first and left its groups
             self._handling.release()
             return
-        lost = self._settle()
+        if self.recover and signum is None:  # a library error: wait for the lost peer to fall silent
+            lost = self._settle(self.peer_timeout_s + 2 * HEARTBEAT_S, silence_s=SILENT_AFTER_ERROR_S)
+            if not lost and self._recovery_under_way():
+                self.recovering = True
+                self._handling.release()
+                return
+        else:
+            lost = self._settle()
         if lost and self.recover:
             self.publish_recovering()
             self.recovering = True
@@ -273,20 +285,26 @@ class Watchdog:
             os._exit(128 + signum if signum is not None else EXIT_CODE)
         self._handling.release()
 
-    def _settle(self, settle_s: float = 2.0) -> list[LostRank]:
-        """Every lost rank; waits up to settle_s for the launcher to reap dead processes."""
+    def _settle(self, settle_s: float = 2.0, silence_s: float | None = None) -> list[LostRank]:
+        """Every lost rank; waits up to settle_s for the launcher to reap dead processes (and,
+        with silence_s, for a peer to be silent that long). In recover mode it stops waiting
+        when another survivor has published the recovery."""
         deadline = time.monotonic() + settle_s
         everyone = [r for r in range(self.plan.world_size) if r != self.launch_rank]
         while True:
             try:
-                lost = self._find_lost(everyone)
+                if silence_s is not None:
+                    self._beat()  # the watching thread is stopped: a survivor settling is no silent peer
+                lost = self._find_lost(everyone, silence_s)
             except Exception:
                 lost = []
             if lost or time.monotonic() >= deadline:
                 return lost
+            if silence_s is not None and self._recovery_under_way():
+                return lost
             time.sleep(0.2)
 
-    def _find_lost(self, ranks: list[int]) -> list[LostRank]:
+    def _find_lost(self, ranks: list[int], silence_s: float | None = None) -> list[LostRank]:
         if not ranks:
             return []
         self.store.set_timeout(timedelta(seconds=5))
@@ -299,7 +317,7 @@ class Watchdog:
             host, pid, machine = values[f"where/{r}"].decode().split()
             age = now - float(values[f"alive/{r}"].decode())
             gone = machine == self.machine and not _process_exists(int(pid))
-            if r in self._lost or gone or age > self.peer_timeout_s:
+            if r in self._lost or gone or age > min(self.peer_timeout_s, silence_s or self.peer_timeout_s):
                 suspects.append((r, host, int(pid), machine, age, gone))
         # A rank that stops on its own marks itself done, then exits: read the marks again
         # after seeing a process gone, or one that marked in between (on a loaded machine)

@@ -270,7 +270,7 @@ class EmulatedCluster:
                 readers.append(threading.Thread(target=pump, args=(proc,), daemon=True))
                 readers[-1].start()
 
-            def start_node(host: str, epoch: int) -> None:
+            def start_node(host: str, epoch: int, plan: Plan) -> None:
                 for command, variables in self.joining_commands(host, argv, epoch):
                     launch(command, variables, host)
 

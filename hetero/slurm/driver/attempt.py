@@ -1,9 +1,16 @@
 """One attempt of the job: every node's srun step started (steps.py), their output passed
 on, and the steps watched until the job ends, fails (then: which nodes were lost, see
-driver.py's docstring, "A lost node") or must stop for a returned node (readmission.py)."""
+driver.py's docstring, "A lost node") or must stop for a returned node (readmission.py).
+
+With --inprocess-restart (a supervisor: hetero.launch.recovery) an attempt outlives lost
+and returned nodes: the nodes the survivors report lost (their LostRanks events since the
+last re-plan) and the failed steps whose node runs no probe are re-planned for while the
+survivors wait in their processes; a returned node gets one step that starts its processes
+(a one-node torchrun), which join the running job at an iteration boundary."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import threading
@@ -12,9 +19,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero.events import CheckpointLoaded, CheckpointSaved, Iteration, of_kind, read_events
+from hetero.events import CheckpointLoaded, CheckpointSaved, Iteration, LostRanks, of_kind, read_events
 from hetero.launch.commands import NodeCommand, node_commands
 from hetero.launch.elastic import AttemptResult, lost_hosts
+from hetero.launch.inprocess import CONTROL_DIR, REJOIN
+from hetero.launch.recovery import InProcessSupervisor
 from hetero.slurm.driver.job import SlurmJob
 from hetero.slurm.driver.readmission import Readmission
 from hetero.plan import Plan
@@ -41,6 +50,8 @@ class AttemptRecord:
     first_iteration_time: float | None = None
     checkpoint_loaded: int | None = None
     last_iteration: int | None = None
+    # In-process re-plans inside this attempt: {"time", "kind": "lost"|"returned", "nodes", "plan"}
+    replans: list[dict] = field(default_factory=list)
 
 
 class SlurmRunner:
@@ -49,9 +60,12 @@ class SlurmRunner:
     def __init__(self, driver: SlurmJob):
         self.driver = driver
         self.readmission: Readmission | None = None
+        self.supervisor: InProcessSupervisor | None = None
 
-    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int) -> AttemptResult:
+    def run(self, plan: Plan, plan_path: str, train_args: list[str], attempt: int,
+            supervisor: InProcessSupervisor | None = None) -> AttemptResult:
         driver = self.driver
+        self.supervisor = supervisor
         events_dir = driver.run_dir / f"attempt-{attempt}-events"
         if events_dir.exists():
             for old in events_dir.iterdir():
@@ -61,6 +75,7 @@ class SlurmRunner:
         master = driver.address(hosts[0])
         port = driver.master_port + attempt
         record = AttemptRecord(attempt, plan_path, hosts, f"{master}:{port}", time.time())
+        self.replanned_at = record.started
         driver.record["attempts"].append(record.__dict__)
         driver.save()
         commands = node_commands(plan, plan_path, train_args, master, port, driver.script, driver.emulate_devices)
@@ -68,19 +83,25 @@ class SlurmRunner:
         procs: dict[str, subprocess.Popen] = {}
         readers: list[threading.Thread] = []
         self.readmission = None
+        self.handed_over: set[str] = set()  # lost nodes the job went on without (in-process)
         dead: set[str] = set()  # nodes whose slurmd did not answer a probe step
+        if supervisor is not None:
+            supervisor.address_of = driver.address
+            supervisor.lost_now = lambda: self._reported_lost(events_dir)
+            supervisor.start_node = lambda host, epoch, new_plan: self._start_joiners(
+                host, epoch, new_plan, train_args, attempt, events_dir, lines, procs, readers, record)
         # procs and dead fill as the steps start and the watch goes on, so that a stop half-way
         # (an error, the driver's own SIGTERM) still stops every step started.
         try:
             self._start_steps(commands, attempt, events_dir, lines, procs, readers)
-            outcome = self._watch(plan, attempt, events_dir, procs, dead)
+            outcome = self._watch(plan, attempt, events_dir, procs, dead, record)
         except Stopped:
             record.__dict__.update(ended=time.time(), outcome="stopped")
             raise
         finally:
             still = [h for h, p in procs.items() if p.poll() is None]
             if still:
-                driver.stop_steps({h: procs[h] for h in still}, attempt, dead)
+                driver.stop_steps({h: procs[h] for h in still}, attempt, dead | self.handed_over)
             for reader in readers:
                 reader.join(timeout=5)
         return self._result(plan, procs, outcome, dead, lines, events_dir, record)
@@ -92,16 +113,53 @@ class SlurmRunner:
         for command in commands:
             # torchrun's launch, ending without torchrun's traceback (megatron/hetero/launcher.py)
             argv = [driver.python, "-m", "megatron.hetero.launcher", *command.argv[1:]]
-            proc = subprocess.Popen(driver.srun(command.host, f"hetero-{attempt}") + argv, cwd=driver.workdir,
-                                    env=driver.step_env(command.host, command.env, events_dir),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            procs[command.host] = proc
-            readers.append(threading.Thread(target=_pump, args=(proc, command.host, lines), daemon=True))
-            readers[-1].start()
+            self._start_step(command.host, argv, command.env, attempt, events_dir, lines, procs, readers)
+
+    def _start_step(self, host: str, argv: list[str], node_env: dict, attempt: int, events_dir: Path,
+                    lines: deque, procs: dict[str, subprocess.Popen], readers: list[threading.Thread]) -> None:
+        driver = self.driver
+        if self.supervisor is not None:
+            node_env = {**node_env, CONTROL_DIR: str(self.supervisor.control_dir)}
+        proc = subprocess.Popen(driver.srun(host, f"hetero-{attempt}") + argv, cwd=driver.workdir,
+                                env=driver.step_env(host, node_env, events_dir),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs[host] = proc
+        readers.append(threading.Thread(target=_pump, args=(proc, host, lines), daemon=True))
+        readers[-1].start()
+
+    def _start_joiners(self, host: str, epoch: int, plan: Plan, train_args: list[str], attempt: int,
+                       events_dir: Path, lines: deque, procs: dict[str, subprocess.Popen],
+                       readers: list[threading.Thread], record: AttemptRecord) -> None:
+        """A returned node's processes for the running job's re-plan ``epoch``: one step running
+        a one-node torchrun as a local starter (each process takes its launch variables
+        from the re-plan), in place of the node's lost step."""
+        driver = self.driver
+        old = procs.pop(host, None)
+        if old is not None and old.poll() is None:
+            old.kill()  # the lost node's srun, waiting for a slurmstepd that is gone
+            old.wait()
+        (command,) = [c for c in node_commands(plan, "", [], script=driver.script,
+                                               emulate_devices=driver.emulate_devices) if c.host == host]
+        # torchrun on its own (one node, its store on the loopback: a node's name need not
+        # resolve), only to start and watch the node's processes
+        argv = [driver.python, "-m", "megatron.hetero.launcher", "--nnodes=1", "--node-rank=0",
+                "--master-addr=127.0.0.1", f"--master-port={random.randint(30000, 60000)}",
+                f"--nproc-per-node={len(command.launch_ranks)}", driver.script, "--hetero-plan",
+                str(self.supervisor.run_dir / f"plan-inprocess-{epoch}.json"), *train_args]
+        self._start_step(host, argv, {**command.env, REJOIN: str(epoch)}, attempt, events_dir, lines, procs, readers)
+        self.handed_over.discard(host)
+
+    def _reported_lost(self, events_dir: Path) -> set[str]:
+        """The hosts the ranks report lost since the last in-process re-plan (by the current
+        plan's launch ranks)."""
+        plan = self.supervisor.plan
+        since = self.replanned_at
+        reports = [e for e in of_kind(read_events(events_dir), LostRanks) if e.time >= since]
+        return lost_hosts(AttemptResult(1, events=reports), plan) - self.handed_over
 
     def _watch(self, plan: Plan, attempt: int, events_dir: Path, procs: dict[str, subprocess.Popen],
-               dead: set[str]) -> str:
+               dead: set[str], record: AttemptRecord) -> str:
         """Waits for the steps: "finished" when all have ended (or a failure has stopped what
         is not lost), "readmit" when the job is to stop for a returned node; dead: the nodes
         whose slurmd did not answer a probe."""
@@ -110,14 +168,25 @@ class SlurmRunner:
         next_check = time.monotonic() + driver.poll_s
         last_change, previous, probed = time.monotonic(), set(procs), set()
         while True:
-            codes = {host: proc.poll() for host, proc in procs.items()}
+            codes = {host: proc.poll() for host, proc in procs.items() if host not in self.handed_over}
             running = {h for h, c in codes.items() if c is None}
-            if not running:
+            if not running or (self.supervisor is not None and self.supervisor.done()):
                 return "finished"
             now = time.monotonic()
             if running != previous:
                 last_change, previous = now, running
             failed = sorted(h for h, c in codes.items() if c not in (None, 0))
+            if self.supervisor is not None and first_failure is None:
+                reported = self._reported_lost(events_dir)
+                unexplained = [h for h in failed if h not in reported | probed]
+                probed |= set(unexplained)  # a failed step on a node that still runs steps: a crash
+                lost = reported | {h for h in unexplained if not driver.node_answers(h)}
+                if lost:
+                    if not self._recover_in_process(lost, plan, record):
+                        dead |= lost
+                        return "finished"  # the job stops; the next attempt restarts it from disk
+                    plan = self.supervisor.plan
+                    continue
             if failed and first_failure is None:
                 first_failure = now
                 driver.log(f"attempt {attempt}: the step on {', '.join(failed)} exited with "
@@ -139,16 +208,53 @@ class SlurmRunner:
                 # next checkpoint at every turn (a late stop loses what came after it).
                 if self.readmission is None:
                     next_check = now + driver.poll_s
-                if self._readmit_now(plan, events_dir):
+                if self.supervisor is not None:
+                    self._admit_in_process(plan, events_dir, record)
+                    plan = self.supervisor.plan
+                elif self._readmit_now(plan, events_dir):
                     return "readmit"
             time.sleep(0.2)
+
+    def _recover_in_process(self, lost: set[str], plan: Plan, record: AttemptRecord) -> bool:
+        """Lost nodes re-planned for while the survivors wait in their processes; False when the
+        job cannot go on in them (the attempt then stops, and the next one resumes from disk)."""
+        driver = self.driver
+        driver.log(f"attempt {record.attempt}: lost {', '.join(sorted(lost))}; the survivors wait in their "
+                   "processes for the re-plan (in-process restart)")
+        if not self.supervisor.recover(lost):
+            return False
+        self.replanned_at = time.time()
+        self.handed_over |= lost
+        record.replans.append({"time": self.replanned_at, "kind": "lost", "nodes": sorted(lost),
+                               "plan": str(self.supervisor.run_dir / f"plan-inprocess-{self.supervisor.epoch}.json")})
+        driver.remove_nodes(lost)
+        driver.save()
+        return True
+
+    def _admit_in_process(self, plan: Plan, events_dir: Path, record: AttemptRecord) -> None:
+        """A returned node worth taking, taken into the running job at an iteration boundary."""
+        driver = self.driver
+        readmission = driver.consider_returned(plan, events_dir, in_process=True)
+        if readmission is None:
+            return
+        if self.supervisor.admit(set(readmission.nodes), readmission.plan):
+            self.replanned_at = time.time()
+            for node in readmission.nodes:
+                driver.lost.pop(node, None)
+            record.replans.append({"time": self.replanned_at, "kind": "returned", "nodes": list(readmission.nodes),
+                                   "plan": str(self.supervisor.run_dir / f"plan-inprocess-{self.supervisor.epoch}.json")})
+            driver.save()
+        else:
+            driver.declined |= set(readmission.nodes)
 
     def _result(self, plan: Plan, procs: dict[str, subprocess.Popen], outcome: str, dead: set[str],
                 lines: deque, events_dir: Path, record: AttemptRecord) -> AttemptResult:
         """How the attempt ended, recorded (driver.json): exit code, outcome, lost nodes, iterations."""
         driver = self.driver
-        codes = {h: p.returncode for h, p in procs.items()}
+        codes = {h: p.returncode for h, p in procs.items() if h not in self.handed_over}
         returncode = next((c for c in codes.values() if c not in (0, None)), 0)
+        if self.supervisor is not None and self.supervisor.done():
+            returncode = 0  # the steps left were torchrun agents waiting for lost peers: stopped
         if outcome == "readmit":
             returncode = returncode or 1
         elif returncode != 0:
@@ -164,7 +270,11 @@ class SlurmRunner:
                            "runs no step: lost")
                 dead |= silent
                 result = AttemptResult(returncode, dead, list(lines), events)
+        if self.supervisor is not None:
+            plan = self.supervisor.plan
+            result.events = [e for e in events if e.time >= self.replanned_at]  # of the current plan
         lost = sorted(lost_hosts(result, plan)) if outcome == "failed" else []
+        result.events = events
         iterations = of_kind(events, Iteration)
         loaded = of_kind(events, CheckpointLoaded)
         record.__dict__.update(

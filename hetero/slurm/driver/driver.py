@@ -58,6 +58,17 @@ one out (--no-kill). The driver then plans the recorded job
 (model, training, profiles: hetero.jobs.plan_for_recorded_job, as run_elastic does) for the
 nodes it has, writes RUN/plan-<n>.json and resumes with --load from the last checkpoint.
 
+In-process restart. With --inprocess-restart among the flags a lost node costs no attempt:
+the survivors keep their processes and the state in memory (megatron/hetero/restart.py).
+The driver re-plans for the nodes left as soon as a survivor reports the loss (or a step
+fails and its node runs no probe), writes the re-plan into RUN/attempt-<n>-control
+(hetero.launch.recovery), takes the lost node out of the allocation as above, and the
+attempt goes on. A returned node worth taking joins the running attempt at an iteration
+boundary: one step on it starts its processes, which take their state from the others'
+snapshots. driver.json lists these re-plans under the attempt's "replans". When the job
+cannot go on in its processes, the attempt stops and the next resumes from the last
+checkpoint, as without the flag.
+
 A returned node. A node of the job's cluster that is not in the current plan is usable
 again when it is still in the allocation and responding, or idle in Slurm (`scontrol show
 node`). Slurm does not give a node back to a running heterogeneous job (`scontrol update
@@ -80,6 +91,7 @@ node left, the restarts used, a failure that lost no node, a plan that cannot be
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -89,6 +101,7 @@ from hetero.errors import HeteroError
 from hetero.jobs import plan_for_recorded_job
 from hetero.launch.commands import split_at_double_dash
 from hetero.launch.elastic import AttemptResult, predicted_tokens_per_s, speed_text, with_load
+from hetero.launch.recovery import InProcessSupervisor
 from hetero.slurm.driver.attempt import SlurmRunner, Stopped
 from hetero.slurm.submit.env_rules import EnvRule
 from hetero.slurm.driver.job import PREFIX, SlurmJob
@@ -117,12 +130,14 @@ class Driver(SlurmJob):
             plan = self.start()
         except HeteroError as err:
             return self.finish(2, "failed", f"cannot start: {err}")
+        in_process = "--inprocess-restart" in self.train_args
         try:
             with_load(self.train_args)
             elastic = True
         except HeteroError:
             elastic = False
-            self.log("no --save DIR --save-interval N among the flags: a lost node ends the job")
+            self.log("no --save DIR --save-interval N among the flags: a lost node ends the job"
+                     + (" when the survivors cannot go on in their processes" if in_process else ""))
         runner = SlurmRunner(self)
         plan_path = str(self.run_dir / "plan-0.json")
         args = list(self.train_args)
@@ -130,8 +145,15 @@ class Driver(SlurmJob):
         attempt = 0
         while True:
             self.log(f"attempt {attempt} on {len(plan.hosts())} nodes ({', '.join(h for h, _ in plan.hosts())}), "
-                     f"plan {plan_path}")
-            result = runner.run(plan, plan_path, args, attempt)
+                     f"plan {plan_path}" + (" (in-process restart after a lost node)" if in_process else ""))
+            supervisor = None
+            if in_process:
+                control = self.run_dir / f"attempt-{attempt}-control"
+                shutil.rmtree(control, ignore_errors=True)
+                supervisor = InProcessSupervisor(control, plan, self.run_dir, log=self.log)
+            result = runner.run(plan, plan_path, args, attempt, supervisor=supervisor)
+            if supervisor is not None:
+                plan = supervisor.plan  # the plan the job ended under
             outcome = self.record["attempts"][-1]["outcome"]
             if outcome == "finished":
                 return self.finish(0, "finished", f"the job finished (attempt {attempt})")

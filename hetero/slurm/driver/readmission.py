@@ -85,8 +85,9 @@ class ReturnedNodes:
                  "back to a running job")
         return True
 
-    def consider_returned(self, plan: Plan, events_dir: Path) -> Readmission | None:
-        """While an attempt runs: a returned node worth a restart, taken; None otherwise."""
+    def consider_returned(self, plan: Plan, events_dir: Path, in_process: bool = False) -> Readmission | None:
+        """While an attempt runs: a returned node worth a restart (in_process: worth a re-plan
+        of the running job), taken; None otherwise."""
         current = {h for h, _ in plan.hosts()}
         if not self.readmit or not replannable(plan) or set(self.cluster_hosts) <= current:
             return None
@@ -112,7 +113,8 @@ class ReturnedNodes:
             return None
         saved = [e.iteration for e in of_kind(read_events(events_dir), CheckpointSaved)]
         self.log(f"{', '.join(used)} answer again; re-planned with them: {new_plan.summary()}; predicted "
-                 f"{speed_text(old)} -> {speed_text(new)} tokens/s; restarting at the next checkpoint")
+                 f"{speed_text(old)} -> {speed_text(new)} tokens/s; "
+                 + ("taking them into the running job" if in_process else "restarting at the next checkpoint"))
         self.record.setdefault("readmissions", []).append({"time": time.time(), "nodes": used})
         return Readmission(new_plan, used, max(saved) if saved else 0)
 
