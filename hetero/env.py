@@ -51,6 +51,7 @@ COMM_CHUNK_BYTES = "HETERO_COMM_CHUNK_BYTES"
 COMM_WRAP_SINGLE_VENDOR = "HETERO_COMM_WRAP_SINGLE_VENDOR"
 ALLOW_UNTESTED_MEGATRON_CORE = "HETERO_ALLOW_UNTESTED_MEGATRON_CORE"
 PEER_TIMEOUT_S = "HETERO_PEER_TIMEOUT_S"
+FAULT_SAVE_PAUSE_S = "HETERO_FAULT_SAVE_PAUSE_S"
 
 VARIABLES: dict[str, str] = {
     RANK: "this process's launch rank (torchrun)",
@@ -78,6 +79,9 @@ VARIABLES: dict[str, str] = {
     ALLOW_UNTESTED_MEGATRON_CORE: "1: run on a megatron-core version the patches were not tested with",
     PEER_TIMEOUT_S: "seconds without a heartbeat before the watchdog takes a neighbour rank "
                     "(or the rendezvous store) for lost (default 10)",
+    FAULT_SAVE_PAUSE_S: "fault drills: every rank pauses this long inside each checkpoint write, after "
+                        "writing its files and before the write is complete (a node lost there is lost "
+                        "during a checkpoint write)",
 }
 
 DEFAULT_TRACE_ITERATION = 3
@@ -299,6 +303,14 @@ def comm_wrap_single_vendor(environ: Mapping[str, str] | None = None) -> bool:
 
 def allow_untested_megatron_core(environ: Mapping[str, str] | None = None) -> bool:
     return flag(ALLOW_UNTESTED_MEGATRON_CORE, False, environ)
+
+
+def fault_save_pause_s(environ: Mapping[str, str] | None = None) -> float:
+    value = get(FAULT_SAVE_PAUSE_S, environ)
+    try:
+        return float(value) if value else 0.0
+    except ValueError:
+        raise EnvError(f"{FAULT_SAVE_PAUSE_S}={value!r}: give seconds (a number), or unset it") from None
 
 
 def peer_timeout_s(environ: Mapping[str, str] | None = None) -> int:

@@ -271,3 +271,29 @@ def test_a_returned_node_joins_without_a_restart_of_the_others(tmp_path):
     print(f"largest relative loss difference to one process: {worst:.2e}")
     for i in range(1, iterations + 1):  # re-planned reductions sum in another order
         assert abs(got[i] - want[i]) <= 1e-4 * abs(want[i]), (i, got[i], want[i])
+
+
+def test_shutting_the_connections_leaves_no_descriptor_behind():
+    """Teardown shuts every TCP connection of the process by a duplicate of each descriptor:
+    the duplicates of what is not a socket (pipes, event descriptors) must be closed too, or
+    every re-plan doubles them (a process that re-planned a few times ran out of select()'s
+    1024)."""
+    import socket
+
+    from megatron.hetero.restart import _shut_connections
+
+    read_end, write_end = os.pipe()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        _shut_connections()
+        _shut_connections()
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert accepted.recv(1) == b""  # the connection was shut: the peer sees its end
+    finally:
+        for thing in (client, accepted, server):
+            thing.close()
+        os.close(read_end)
+        os.close(write_end)

@@ -552,22 +552,31 @@ def test_one_job_loses_a_node_a_heterogeneous_one_cannot_and_the_driver_gives_up
 
 
 @pytest.mark.slow
-def test_in_process_restart_under_slurm_loses_a_node_without_a_restart_and_takes_it_back(slurm, tmp_path):
-    """--inprocess-restart under the driver: node2 (the second node of component 0, Slurm's
-    default SlurmdTimeout) is killed between snapshots; the survivors go on in their
-    processes from memory (no checkpoint read), and node2, restarted, joins the running job."""
+def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(slurm, tmp_path):
+    """--inprocess-restart under the driver, Slurm's default SlurmdTimeout, one job:
+    1. node0 (component 1, the H100s; it also hosts the job's first rendezvous store) is lost
+       in the middle of the checkpoint write of iteration 20: a lost node, not a disk
+       problem; the survivors go on from the snapshot of iteration 19 and write the
+       checkpoints after it;
+    2. node0 returns and joins the running job at an iteration boundary;
+    3. node2 (the second node of component 0, which Slurm cannot take out of the job) is
+       lost between snapshots, returns, and joins again.
+    No process of a surviving node is restarted, no checkpoint is read, and every iteration
+    trains what one process trains."""
     from hetero.events import CheckpointLoaded, StateRestored
     from hetero.launch.inprocess import ready
 
     slurm.wait_idle(timeout=60)
     plan = _heterogeneous_plan(tmp_path, slurm)
     run_dir = tmp_path / "run"
-    iterations = 200  # long enough for node2's processes to start while the job trains
-    train = _training(None) + ["--inprocess-restart", "--use-distributed-optimizer"]
-    train[train.index("--train-iters") + 1] = str(iterations)
+    iterations = 200  # long enough for two returned nodes' processes to start while the job trains
+    base = _training(None) + ["--use-distributed-optimizer"]
+    base[base.index("--train-iters") + 1] = str(iterations)
+    train = base + ["--inprocess-restart", "--save", str(tmp_path / "ckpt"), "--save-interval", "20"]
+    # A fault drill: every rank pauses inside each checkpoint write, after writing its files.
     done = _cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
                 "--run-dir", str(run_dir), "--poll-s", "2", "--env", "GLOO_SOCKET_IFNAME=eth0",
-                "--env", "OMP_NUM_THREADS=1", "--", *train, cwd=REPO)
+                "--env", "OMP_NUM_THREADS=1", "--env", "HETERO_FAULT_SAVE_PAUSE_S=3", "--", *train, cwd=REPO)
     output = run_dir / f"slurm-{done.stdout.split('submitted job ')[1].split()[0]}.out"
     events_dir = run_dir / "attempt-0-events"
     record_path = run_dir / "driver.json"
@@ -575,15 +584,28 @@ def test_in_process_restart_under_slurm_loses_a_node_without_a_restart_and_takes
     def record() -> dict:
         return json.loads(record_path.read_text()) if record_path.exists() else {}
 
-    _wait("iteration 3", lambda: any(e.iteration >= 3 for e in of_kind(read_events(events_dir), Iteration)), 180, output)
-    slurm.kill_node("node2")
-    killed_at = time.time()
-    restored = _wait("the state restored in memory", lambda: of_kind(read_events(events_dir), StateRestored), 120,
-                     output)[0]
-    resumed = _wait("the first iteration after the re-plan", lambda: [
-        e for e in of_kind(read_events(events_dir), Iteration) if e.time > restored.time], 60, output)[0]
-    slurm.restart_node("node2", wait=False)
-    _wait("node2 taken back", lambda: len(record().get("attempts", [{}])[0].get("replans", [])) >= 2, 180, output)
+    def replans() -> int:
+        return len(record().get("attempts", [{}])[0].get("replans", []))
+
+    def lose_and_take_back(node: str, epoch: int) -> tuple[float, float]:
+        slurm.kill_node(node)
+        killed_at = time.time()
+        restored = _wait(f"{node}'s loss recovered", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
+                                                             if r.epoch == epoch], 120, output)[0]
+        resumed = _wait("the first iteration after the re-plan", lambda: [
+            e for e in of_kind(read_events(events_dir), Iteration) if e.time > restored.time], 60, output)[0]
+        slurm.restart_node(node, wait=False)
+        _wait(f"{node} taken back", lambda: replans() >= epoch + 1, 180, output)
+        return resumed.time - killed_at, restored.iteration
+
+    _wait("the checkpoint write of iteration 20", lambda: output.exists() and
+          f"saving checkpoint at iteration {20:7d}" in output.read_text(), 240, output)
+    first_s, first_restored = lose_and_take_back("node0", epoch=1)
+    joined = _wait("node0's processes training", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
+                                                         if r.epoch == 2], 120, output)[0]
+    _wait("a few iterations with node0", lambda: any(e.iteration >= joined.iteration + 3 for e in
+                                                     of_kind(read_events(events_dir), Iteration)), 120, output)
+    second_s, second_restored = lose_and_take_back("node2", epoch=3)
     final = _wait("the job to end", lambda: record().get("outcome") and record(), 600, output)
     text = output.read_text()
     assert final["outcome"] == "finished", text[-6000:]
@@ -592,27 +614,38 @@ def test_in_process_restart_under_slurm_loses_a_node_without_a_restart_and_takes
     assert_nothing_left(str(tmp_path))
 
     (attempt,) = final["attempts"]  # one attempt: no process of the survivors restarted
-    assert [(r["kind"], r["nodes"]) for r in attempt["replans"]] == [("lost", ["node2"]), ("returned", ["node2"])]
+    assert [(r["kind"], r["nodes"]) for r in attempt["replans"]] == [
+        ("lost", ["node0"]), ("returned", ["node0"]), ("lost", ["node2"]), ("returned", ["node2"])]
     events = read_events(events_dir)
     assert not of_kind(events, CheckpointLoaded), "no checkpoint file may be read"
-    assert [(r.epoch, r.source) for r in of_kind(events, StateRestored)] == [(1, "memory"), (2, "memory")]
-    assert restored.iteration >= 2, restored  # at most the iteration since the last snapshot lost
+    restores = of_kind(events, StateRestored)
+    assert [(r.epoch, r.source) for r in restores] == [(e, "memory") for e in (1, 2, 3, 4)], restores
+    # Lost in the write of iteration 20: from the snapshot of 19, and that write never published.
+    assert first_restored == 19 and "free space or fix permissions" not in text
+    saves = [e for e in of_kind(events, CheckpointSaved)]
+    assert [e.iteration for e in saves] == list(range(20, iterations + 1, 20)), saves
+    assert saves[0].time > restores[0].time  # iteration 20's checkpoint: written after the recovery
+    assert second_restored >= joined.iteration + 2  # at most the iteration since the last snapshot lost
+    assert "node0 stays in job" in text and "node2 stays in job" in text  # Slurm cannot take them out
     control = run_dir / "attempt-0-control"
-    waited = {r["place"]: r["pid"] for r in ready(control, 1)}
+    everywhere = {"node0:0", "node0:1", "node1:0", "node2:0"}
+    pids = {r["place"]: r["pid"] for r in ready(control, 1)}  # the survivors of the first loss
+    assert set(pids) == {"node1:0", "node2:0"}, pids
+    for epoch, node in ((2, "node0"), (4, "node2")):  # the returned node's new processes
+        joiners = {r["place"]: r["pid"] for r in ready(control, epoch) if r.get("joining")}
+        assert set(joiners) == {p for p in everywhere if p.startswith(f"{node}:")}, joiners
+        pids.update(joiners)
     finished_by = {json.loads(p.read_text())["place"]: json.loads(p.read_text())["pid"]
-                   for p in (control / "epoch-2" / "finished").glob("*.json")}
-    joiners = {r["place"]: r["pid"] for r in ready(control, 2) if r.get("joining")}
-    assert set(waited) == {"node0:0", "node0:1", "node1:0"} and set(joiners) == {"node2:0"}, (waited, joiners)
-    assert finished_by == {**waited, **joiners}, (finished_by, waited, joiners)
-    assert "node2 stays in job" in text  # component 0's second node: Slurm cannot take it out
+                   for p in (control / "epoch-4" / "finished").glob("*.json")}
+    assert finished_by == pids, (finished_by, pids)  # node1's process ran through all four re-plans
 
     # Every iteration trained in the end, as one process trains it.
     got = {e.iteration: iteration_figure(e, "lm loss") for e in of_kind(events, Iteration)}  # the last of each
     assert sorted(got) == list(range(1, iterations + 1))
-    reference = run_pretrain([a for a in train if a != "--inprocess-restart"], timeout=900)  # one process
+    reference = run_pretrain(base, timeout=900)  # the same training in one process
     assert reference.returncode == 0, reference.output[-3000:]
     want = dict(enumerate(reference.series("lm loss"), start=1))
     worst = max(abs(got[i] - want[i]) / abs(want[i]) for i in got)
-    print(f"  kill -> first resumed iteration (in-process) {resumed.time - killed_at:6.1f} s; largest relative "
-          f"loss difference to one process {worst:.1e}")
+    print(f"  kill -> first resumed iteration (in-process): node0 {first_s:.1f} s (its store host lost, in a "
+          f"write), node2 {second_s:.1f} s; largest relative loss difference to one process {worst:.1e}")
     assert worst <= 1e-4

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,29 @@ def _layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: i
         multi_latent_attention=mla, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
 
 
+# The DDP-wrapped chunks built in this process (weakly: a chunk no one holds goes).
+_BUILT: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+
+
+def release_models() -> None:
+    """Lets the models this process built go (in-process restart, before the next plan's).
+    megatron-core's DDP registers a hook on each parameter's gradient accumulator, a closure
+    over the DDP object and the parameter, and autograd keeps the accumulator (and with it the
+    hook) from C++, where Python's collector cannot see it: every earlier plan's model,
+    optimizer and process groups (their sockets, pipes and memory) would stay alive. The
+    hooks' closures are emptied (they never run again: the model is done)."""
+    import gc
+
+    for chunk in list(_BUILT):
+        chunk.grad_accs.clear()
+        for cell in [r for r in gc.get_referrers(chunk) if type(r).__name__ == "cell"]:
+            for closure in gc.get_referrers(cell):
+                if isinstance(closure, tuple) and all(type(c).__name__ == "cell" for c in closure):
+                    for member in closure:
+                        member.cell_contents = None
+    _BUILT.clear()
+
+
 def build_model(
     args: argparse.Namespace, plan: Plan, config: TransformerConfig
 ) -> list[DistributedDataParallel]:
@@ -236,6 +260,7 @@ def build_model(
         # the same anyway, by parameter name), whatever its own random stream.
         for chunk in chunks:
             chunk.broadcast_params()
+    _BUILT.update(chunks)
     config.finalize_model_grads_func = _traced_finalize_model_grads
     _set_schedule_sync_functions(args, config, chunks, templated)
     # Several templates: every parameter's gradient reduced over every template's holders.

@@ -184,8 +184,10 @@ def teardown() -> None:
 
     from megatron.hetero import distributed, stage_tensor_parallel, template_reduction
     from megatron.hetero.identity import set_this_rank
+    from megatron.hetero.model import release_models
 
     _shut_connections()
+    release_models()
     stage_tensor_parallel.use_plan_grid(None)
     template_reduction.forget()
     set_this_rank(None)
@@ -206,9 +208,14 @@ def _shut_connections() -> None:
 
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
         try:
-            duplicate = socket.socket(fileno=os.dup(int(name)))
+            copy = os.dup(int(name))
         except OSError:
-            continue  # not a socket
+            continue  # closed meanwhile
+        try:
+            duplicate = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)  # not a socket
+            continue
         try:
             if duplicate.family in (socket.AF_INET, socket.AF_INET6) and duplicate.type == socket.SOCK_STREAM \
                     and not duplicate.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):

@@ -139,8 +139,11 @@ class Watchdog:
         store_lost_since = None
         while not self._stop.is_set():
             if self._wakeup is not None:
-                ready, _, _ = select.select([self._wakeup], [], [], HEARTBEAT_S)
-                if ready:
+                # poll, not select: a process that re-planned in place several times (in-process
+                # restart) may hold descriptors past select's limit of 1024
+                waiting = select.poll()
+                waiting.register(self._wakeup, select.POLLIN)
+                if waiting.poll(HEARTBEAT_S * 1000):
                     self._on_signals(self._wakeup.recv(64))
             else:
                 time.sleep(HEARTBEAT_S)

@@ -22,7 +22,7 @@ from pathlib import Path
 from hetero.events import CheckpointLoaded, CheckpointSaved, Iteration, LostRanks, of_kind, read_events
 from hetero.launch.commands import NodeCommand, node_commands
 from hetero.launch.elastic import AttemptResult, lost_hosts
-from hetero.launch.inprocess import CONTROL_DIR, REJOIN
+from hetero.launch.inprocess import CONTROL_DIR, REJOIN, ready
 from hetero.launch.recovery import InProcessSupervisor
 from hetero.slurm.driver.job import SlurmJob
 from hetero.slurm.driver.readmission import Readmission
@@ -84,6 +84,7 @@ class SlurmRunner:
         readers: list[threading.Thread] = []
         self.readmission = None
         self.handed_over: set[str] = set()  # lost nodes the job went on without (in-process)
+        self.first_waiting: float | None = None  # when survivors were first seen waiting for a re-plan
         dead: set[str] = set()  # nodes whose slurmd did not answer a probe step
         if supervisor is not None:
             supervisor.address_of = driver.address
@@ -181,11 +182,13 @@ class SlurmRunner:
                 unexplained = [h for h in failed if h not in reported | probed]
                 probed |= set(unexplained)  # a failed step on a node that still runs steps: a crash
                 lost = reported | {h for h in unexplained if not driver.node_answers(h)}
+                lost = lost or self._silent_while_others_wait(probed)
                 if lost:
                     if not self._recover_in_process(lost, plan, record):
                         dead |= lost
                         return "finished"  # the job stops; the next attempt restarts it from disk
                     plan = self.supervisor.plan
+                    probed.clear()  # the nodes of the new plan: probed afresh after a loss
                     continue
             if failed and first_failure is None:
                 first_failure = now
@@ -215,6 +218,23 @@ class SlurmRunner:
                     return "readmit"
             time.sleep(0.2)
 
+    def _silent_while_others_wait(self, probed: set[str]) -> set[str]:
+        """When survivors wait for a re-plan but none named a lost peer (the rendezvous
+        store's host is gone, and with it what they read heartbeats from): after QUIET_S,
+        the hosts none of whose processes wait and whose node runs no probe step."""
+        supervisor = self.supervisor
+        waiting = {r["place"].rsplit(":", 1)[0] for r in ready(supervisor.control_dir, supervisor.epoch + 1)
+                   if not r.get("joining")}
+        if not waiting:
+            self.first_waiting = None
+            return set()
+        self.first_waiting = self.first_waiting or time.monotonic()
+        if time.monotonic() - self.first_waiting < QUIET_S:
+            return set()
+        candidates = {h for h, _ in supervisor.plan.hosts()} - waiting - probed - self.handed_over
+        probed |= candidates
+        return self.driver.silent_nodes(sorted(candidates)) if candidates else set()
+
     def _recover_in_process(self, lost: set[str], plan: Plan, record: AttemptRecord) -> bool:
         """Lost nodes re-planned for while the survivors wait in their processes; False when the
         job cannot go on in them (the attempt then stops, and the next one resumes from disk)."""
@@ -224,6 +244,7 @@ class SlurmRunner:
         if not self.supervisor.recover(lost):
             return False
         self.replanned_at = time.time()
+        self.first_waiting = None
         self.handed_over |= lost
         record.replans.append({"time": self.replanned_at, "kind": "lost", "nodes": sorted(lost),
                                "plan": str(self.supervisor.run_dir / f"plan-inprocess-{self.supervisor.epoch}.json")})

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hetero import events
+from hetero import env, events
 from hetero.errors import HeteroError
 from hetero.io import write_json_atomic
 from hetero.plan import Plan
@@ -298,6 +298,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                 persistent=args.use_persistent_ckpt_worker and torch.cuda.is_available())
         _ASYNC_SAVES.schedule_async_request(request)
         return time.perf_counter() - start
+    if pause := env.fault_save_pause_s():  # a fault drill: a node lost here is lost mid-write
+        time.sleep(pause)
     dist.barrier()  # every rank's files are written
     publish()
     seconds = time.perf_counter() - start
