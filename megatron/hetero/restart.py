@@ -78,6 +78,7 @@ class InProcessRestart:
     # ----- snapshots ------------------------------------------------------------------
 
     def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
+        self.store.settle(block=False)  # the last snapshot's copies, if they arrived meanwhile
         if iteration % self.interval == 0:
             self.snapshot(iteration, model, optimizer, scheduler, plan)
 

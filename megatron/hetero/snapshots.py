@@ -110,6 +110,9 @@ class SnapshotStore:
         # What every rank's snapshot holds (boxes, dtypes), the same at every iteration of
         # one plan: exchanged at the first snapshot under each plan (None: not yet).
         self.layouts: list | None = None
+        # The copies under way (their transfers overlap the next iteration): (works, iteration,
+        # the receive buffers by sender, the senders' headers).
+        self.in_flight: tuple | None = None
 
     def held(self, iteration: int | None = None) -> list[Snapshot]:
         """Every snapshot held (of ``iteration`` only, when given)."""
@@ -138,10 +141,38 @@ class SnapshotStore:
         self.own.clear()
         self.copies.clear()
 
+    def settle(self, block: bool = True) -> None:
+        """Keeps the copies under way once every transfer of them finished (block: waits for
+        them; else only if they have)."""
+        if self.in_flight is None:
+            return
+        works, iteration, received, headers = self.in_flight
+        if not block and not all(work.is_completed() for work in works):
+            return
+        self.in_flight = None
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError:
+            if block:
+                raise  # a peer lost during the copies: the training loop's recovery takes over
+            return  # a copy that failed is no copy
+        if iteration in self.own:  # not dropped meanwhile (KEPT generations)
+            # The common state (iteration, scheduler, counters) is the same on every rank: this one's.
+            self.copies[iteration] = {peer: Snapshot(iteration, peer, headers[peer]["host"], pieces,
+                                                     self.own[iteration].common) for peer, pieces in received.items()}
+
+    def abandon(self) -> None:
+        """Drops the copies under way (a peer was lost: they may never complete)."""
+        self.in_flight = None
+
     def replicate(self, send_to: list[int], receive_from: list[int], group=None) -> None:
-        """Sends this rank's newest snapshot to ``send_to`` and keeps the snapshots of
-        ``receive_from`` (every rank calls this with lists that pair up). Tensors go by
+        """Sends this rank's newest snapshot to ``send_to`` and receives the snapshots of
+        ``receive_from`` (every rank calls this with lists that pair up), without waiting: the
+        transfers overlap the next iteration, and the copies count once they all arrived
+        (``settle``; a half-received generation is no copy at all). Tensors go by
         point-to-point messages in one agreed order; the metadata with them."""
+        self.settle()  # the previous generation's copies first: one generation under way at a time
         own = self.own[self.newest]
         boxes = sorted(own.pieces, key=_box_order)
         header = {"host": own.host, "boxes": boxes, "dtypes": [str(own.pieces[b].dtype) for b in boxes]}
@@ -161,12 +192,8 @@ class SnapshotStore:
             theirs = headers[peer]
             received[peer] = {b: torch.empty(b.shape, dtype=_dtype(d)) for b, d in zip(theirs["boxes"], theirs["dtypes"])}
             ops += [dist.P2POp(dist.irecv, received[peer][b], peer, group) for b in theirs["boxes"]]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        # kept only once every copy arrived: a half-received generation is no copy at all
-        # The common state (iteration, scheduler, counters) is the same on every rank: this one's.
-        self.copies[own.iteration] = {peer: Snapshot(own.iteration, peer, headers[peer]["host"], received[peer],
-                                                     own.common) for peer in receive_from}
+        self.in_flight = (dist.batch_isend_irecv(ops) if ops else [], own.iteration, received, headers)
+        self.settle(block=False)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -90,7 +90,7 @@ def _run_elastic(options: argparse.Namespace, job: list[str]) -> int:
         if not job or not job[0].endswith("pretrain_gpt.py"):
             raise HeteroError("--elastic runs pretrain_gpt.py: give -- pretrain_gpt.py <flags>")
         runner = ElasticRunner(Cluster.load(options.cluster), shaped=not options.unshaped,
-                               timeout=options.timeout, run_dir=options.run_dir)
+                               timeout=options.timeout, run_dir=options.run_dir, compute_scale=options.compute_scale)
         return run_elastic(options.plan, job[1:], runner, Path(options.run_dir), options.max_restarts,
                            log=lambda line: print(line, flush=True))
     except HeteroError as err:

@@ -356,12 +356,19 @@ class ElasticRunner:
     reference whatever is left)."""
 
     def __init__(self, cluster: Cluster, *, shaped: bool = True, echo: bool = True,
-                 timeout: float = 3600, run_dir: str | os.PathLike | None = None):
+                 timeout: float = 3600, run_dir: str | os.PathLike | None = None,
+                 compute_scale: float | None = None):
         """run_dir: where each attempt's events go (attempt-<n>-events, emptied first: the
         supervisor reads them to find the lost hosts); None: temporary directories."""
         self.cluster, self.shaped, self.echo, self.timeout = cluster, shaped, echo, timeout
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.reference_tflops = max(d.peak_tflops for d in (n.device for n in cluster.nodes))
+        # Every attempt's ranks keep the speed they have on the whole cluster: a restart on
+        # fewer nodes must not run on faster emulated devices (as an attempt sized by its own
+        # ranks would), or a restart from disk would be compared with in-process survivors that
+        # keep their quotas on unequal terms.
+        relative = sum(n.device.peak_tflops / self.reference_tflops * n.count for n in cluster.nodes)
+        self.compute_scale = compute_scale or min(1.0, CORES_USED * (os.cpu_count() or 1) / relative)
 
     def events_dir(self, attempt: int) -> Path | None:
         if self.run_dir is None:
@@ -377,7 +384,7 @@ class ElasticRunner:
         from hetero.launch.elastic import AttemptResult
 
         emulated = EmulatedCluster(self.cluster, RankLayout.of_plan(plan), shaped=self.shaped,
-                                   reference_tflops=self.reference_tflops)
+                                   reference_tflops=self.reference_tflops, compute_scale=self.compute_scale)
         with emulated:
             result = emulated.run(["pretrain_gpt.py", "--hetero-plan", plan_path, *train_args],
                                   timeout=self.timeout, echo=self.echo,

@@ -83,6 +83,11 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
                 raise  # no process was lost: keep the real error and its traceback
             outcome = Outcome(lost=True)
         where = next(at for at, rank in places(plan).items() if rank == launch.rank)
+        if restart is not None:
+            # The snapshot copies under way: waited for while every peer is there; after a
+            # loss kept only if they already arrived.
+            restart.store.settle(block=not outcome.lost)
+            restart.store.abandon()
         if outcome.rejoin is None and not outcome.lost:
             watchdog.finish()
             torch.distributed.destroy_process_group()
