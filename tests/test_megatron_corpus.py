@@ -9,12 +9,18 @@ Every recipe is configured in-process both ways (where refusals are decided) on 
 Launched both ways: a stable sample by hash of the recipes that train (every recipe runs
 data-parallel or model-parallel, so each launch is 2-8 processes); all of them with
 MEGATRON_CORPUS=all (python -m tests.megatron_corpus.report runs them all and records them).
+
+The same corpus at core_v0.19.0 (corpus.core_v0.19.0.json, tests/recipes/core_v0.19.0/),
+recorded on megatron-core 0.19.2 (statuses.core_v0.19.0.json,
+docs/megatron-recipes-core_v0.19.0.md): its table is checked here on every run, and a stable
+sample of its recipes is launched both ways in make test's megatron-core 0.19.2 pass.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from importlib.metadata import version
 
 import pytest
 
@@ -22,7 +28,7 @@ import tiny_tokenizers
 from conftest import run_pretrain
 from megatron.hetero.startup import tp_pp_dp_rank_order
 from tests.megatron_corpus import report
-from tests.megatron_corpus.corpus import recipes
+from tests.megatron_corpus.corpus import DEFAULT_TAG, TAGS, recipes
 from tests.megatron_corpus.plans import PINNING_FLAGS, megatron_split, plan_for
 from tests.megatron_corpus.scale import check_divisible, layout_of, scale_down
 
@@ -31,6 +37,12 @@ BY_NAME = {r.name: r for r in RECIPES}
 RECORDED = report.load_statuses()
 SAMPLE = 4  # recipes launched both ways by default (3-5 s a launch on 2 cores)
 CORE019_SAMPLE = 1  # of those, launched again in make test's megatron-core 0.19.2 pass
+CORE019_TAG = "core_v0.19.0"  # the corpus recorded on megatron-core 0.19.2
+RECIPES_019 = recipes(CORE019_TAG)
+RECORDED_019 = report.load_statuses(CORE019_TAG)
+CORPORA = {DEFAULT_TAG: (RECIPES, RECORDED), CORE019_TAG: (RECIPES_019, RECORDED_019)}
+CORE019_CORPUS_SAMPLE = 1  # core_v0.19.0 recipes launched both ways in the 0.19.2 pass
+ON_CORE019 = version("megatron-core").split(".")[:2] == report.CORE_RELEASE[CORE019_TAG].split(".")[:2]
 
 
 def _launched() -> list[tuple]:
@@ -45,6 +57,18 @@ def _launched() -> list[tuple]:
             for w in report.WAYS if getattr(RECORDED[r.name], w).status == "trained"]
 
 
+def _launched_core019() -> list:
+    """The core_v0.19.0 recipes the 0.19.2 pass launches, both ways: by the same stable hash,
+    the first that the record says train both ways, of those new or changed since core_v0.16.1
+    (an unchanged one repeats what the core_v0.16.1 sample launches)."""
+    before = {r.name: r.flags for r in RECIPES}
+    by_hash = sorted((r for r in RECIPES_019 if before.get(r.name) != r.flags), key=lambda r: r.sample_key())
+    training = [r for r in by_hash if r.name in RECORDED_019
+                and all(getattr(RECORDED_019[r.name], w).status == "trained" for w in report.WAYS)]
+    return [pytest.param(r, w, id=f"{CORE019_TAG}:{r.name}-{w}")
+            for r in training[:CORE019_CORPUS_SAMPLE] for w in report.WAYS]
+
+
 def test_corpus_holds_every_gpt_and_moe_recipe():
     assert len(RECIPES) == len(BY_NAME) == 187  # 184 functional tests + 3 example scripts
     assert sum(r.source.startswith("tests/functional_tests/test_cases/moe/") for r in RECIPES) == 42
@@ -52,6 +76,16 @@ def test_corpus_holds_every_gpt_and_moe_recipe():
         "examples/gpt3/train_gpt3_175b_distributed.sh", "examples/llama/train_llama3_8b_h100_fp8.sh",
         "examples/mixtral/train_mixtral_8x7b_distributed.sh"}
     assert set(RECORDED) == set(BY_NAME), "rerun python -m tests.megatron_corpus.report --run-all"
+
+
+def test_the_core_v0_19_0_corpus_holds_every_gpt_and_moe_recipe():
+    """At core_v0.19.0 the recipes live where they did (test_cases/{gpt,moe}), 84 more."""
+    assert len(RECIPES_019) == len({r.name for r in RECIPES_019}) == 271  # 268 functional tests + 3 examples
+    assert sum(r.source.startswith("tests/functional_tests/test_cases/moe/") for r in RECIPES_019) == 63
+    assert {r.source for r in RECIPES_019 if r.name.startswith("examples/")} == {
+        r.source for r in RECIPES if r.name.startswith("examples/")}
+    assert set(RECORDED_019) == {r.name for r in RECIPES_019}, (
+        f"rerun PYTHONPATH=.core019 python -m tests.megatron_corpus.report --tag {CORE019_TAG} --run-all")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
@@ -96,6 +130,29 @@ def test_scale_down_keeps_the_layout_and_the_plan_agrees(recipe, tmp_path):
         assert plan.rank_order == tp_pp_dp_rank_order(plan)
     else:
         assert plan.world_size == 1 or plan.rank_order != sorted(plan.rank_order)
+
+
+def test_a_quoted_value_with_spaces_stays_one_argument(tmp_path):
+    """core_v0.19's --step-batch-size-schedule "0:16 2.4B:320 ..." is one argument, as the
+    recipe quotes it: scaled down whole, not split into words as a list value is."""
+    recipe = next(r for r in RECIPES_019 if r.name == "examples/gpt3_175b")
+    given = dict(p for p in recipe.flags if len(p) == 2)["--step-batch-size-schedule"]
+    argv = scale_down(recipe.flags, tmp_path)
+    index = argv.index("--step-batch-size-schedule")
+    assert argv[index + 1] == given == "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"
+    assert argv[index + 2].startswith("--")
+
+
+def test_a_refusal_of_several_problems_is_grouped_by_its_first():
+    """Not under "2 problems with this launch": the first problem's group, an unknown flag's
+    without the flag's name (the inference recipes' --temperature, --top_k, ...)."""
+    unknown = ("2 problems with this launch (each with its fix):\n"
+               "  1. unknown flag --temperature: not a flag of Megatron-LM's pretrain_gpt.py nor of "
+               "Megatron-Hetero; unknown flag --top_k: not a flag of Megatron-LM's pretrain_gpt.py\n"
+               "  2. missing required flag(s): --global-batch-size")
+    assert report.group_of(unknown) == "unknown flag"
+    missing = "2 problems with this launch (each with its fix):\n  1. missing required flag(s): --seq-length\n  2. x"
+    assert report.group_of(missing) == "missing required flag"
 
 
 def test_the_plan_rule_worked_by_hand(tmp_path):
@@ -156,17 +213,32 @@ def test_every_recipe_configures_or_is_refused_by_name_both_ways(tmp_path):
                          + "\n".join(changed))
 
 
-def test_no_recipe_fails_and_the_table_is_up_to_date():
-    failed = {f"{n} {w}": getattr(s, w).reason[-800:] for n, s in RECORDED.items() for w in report.WAYS
+@pytest.mark.parametrize("tag", TAGS)
+def test_no_recipe_fails_and_the_table_is_up_to_date(tag):
+    found, recorded = CORPORA[tag]
+    failed = {f"{n} {w}": getattr(s, w).reason[-800:] for n, s in recorded.items() for w in report.WAYS
               if getattr(s, w).status in ("failed", "not run")}
     assert not failed, failed
-    assert report.DOC.read_text() == report.markdown(RECIPES, RECORDED), (
-        "docs/megatron-recipes.md is stale: python -m tests.megatron_corpus.report --table")
+    run = "PYTHONPATH=.core019 " * (tag == CORE019_TAG) + f"python -m tests.megatron_corpus.report --tag {tag}"
+    assert set(recorded) == {r.name for r in found}, f"statuses missing or stale: {run} --run-all"
+    doc = report.doc_path(tag)
+    assert doc.read_text() == report.markdown(found, recorded, tag), (
+        f"docs/{doc.name} is stale: {run} --table")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, way", _launched())
 def test_recipe_trains_both_ways(recipe, way, tmp_path):
+    got = report.launch_outcome(recipe, tmp_path, planned=way == "under_plan")
+    assert got.status == "trained", got.reason
+
+
+@pytest.mark.slow
+@pytest.mark.core019
+@pytest.mark.skipif(not ON_CORE019, reason=f"the {CORE019_TAG} corpus is recorded on megatron-core "
+                    f"{report.CORE_RELEASE[CORE019_TAG]}: make test's core019 pass launches it")
+@pytest.mark.parametrize("recipe, way", _launched_core019())
+def test_a_core_v0_19_0_recipe_trains_both_ways(recipe, way, tmp_path):
     got = report.launch_outcome(recipe, tmp_path, planned=way == "under_plan")
     assert got.status == "trained", got.reason
 

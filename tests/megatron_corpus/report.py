@@ -4,6 +4,12 @@
     python -m tests.megatron_corpus.report --only NAME ...         # rerun some, keep the rest
     python -m tests.megatron_corpus.report --check                 # exit 1 if the table is stale
     python -m tests.megatron_corpus.report --table                 # the table from statuses.json
+    PYTHONPATH=.core019 python -m tests.megatron_corpus.report --tag core_v0.19.0 --run-all
+
+--tag picks the corpus (corpus.py): core_v0.16.1 (the default; statuses.json,
+docs/megatron-recipes.md, run with megatron-core 0.16.1) or core_v0.19.0
+(statuses.core_v0.19.0.json, docs/megatron-recipes-core_v0.19.0.md, run with megatron-core
+0.19.2 - a run refuses to start on another release).
 
 Each recipe, scaled down (scale.py), runs twice: at its own layout without a plan, and
 under the heterogeneous plan of the same layout that plans.py makes from its flags
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import os
 import re
@@ -45,20 +52,34 @@ if str(TESTS) not in sys.path:  # tiny_tokenizers and conftest live beside the t
     sys.path.insert(0, str(TESTS))
 
 from hetero.io import write_json_atomic
-from tests.megatron_corpus.corpus import Recipe, recipes
-from tests.megatron_corpus.plans import plan_for
+from tests.megatron_corpus.corpus import DEFAULT_TAG, TAGS, Recipe, recipes
+from tests.megatron_corpus.plans import RecipePlan, plan_for
 from tests.megatron_corpus.scale import layout_of, scale_down
 
 DOC = REPO / "docs" / "megatron-recipes.md"
 STATUSES = REPO / "tests" / "megatron_corpus" / "statuses.json"
 PROGRESS = REPO / "runs" / "megatron-corpus" / "progress.json"
 LOCK = REPO / "runs" / "megatron-corpus" / "lock"
+# The megatron-core release each tag's corpus runs with (its major.minor must be installed).
+CORE_RELEASE = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.2"}
 TIMEOUT_S = 120  # a 3-iteration tiny run takes seconds; a hang costs no more than this
 MAX_PROCESSES = 8  # a 2-core machine hosts 8 tiny ranks; gpt3_175b's TP8 x PP16 is 128
 # Megatron's log line of the last iteration (fp16 runs skip their first steps while the loss
 # scale comes down, so an iteration may report no loss: its line is what says it ran).
 ITERATION = re.compile(r"iteration\s+3/\s*\d+ \|")  # 3 of 3, or of more under a batch ramp-up
 WAYS = ("without_plan", "under_plan")
+
+
+def doc_path(tag: str = DEFAULT_TAG) -> Path:
+    return DOC if tag == DEFAULT_TAG else DOC.with_name(f"megatron-recipes-{tag}.md")
+
+
+def statuses_path(tag: str = DEFAULT_TAG) -> Path:
+    return STATUSES if tag == DEFAULT_TAG else STATUSES.with_name(f"statuses.{tag}.json")
+
+
+def _run_dir(tag: str) -> Path:
+    return PROGRESS.parent if tag == DEFAULT_TAG else PROGRESS.parent / tag
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,20 @@ def refusal_key(reason: str) -> tuple[str, ...]:
     return tuple(flags) if flags else tuple(reason.strip().splitlines()[:1])
 
 
+def plan_of(recipe: Recipe, argv: list[str], layout) -> RecipePlan:
+    """plans.py's plan of the scaled recipe. A plan its rule makes and hetero.plan rejects is
+    no plan, with the rejection as its note (a later tag's recipe the rule does not cover: one
+    that sets its global batch only by core_v0.19's --step-batch-size-schedule gets one
+    micro-batch a replica, fewer than its interleaved schedule's unit)."""
+    try:
+        return plan_for(recipe.flags, argv, layout)
+    except ValueError as err:  # hetero.errors.PlanError, pydantic's ValidationError
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        said = next((line for line in lines if line.startswith("Value error, ")), lines[-1] if lines else "")
+        said = said.removeprefix("Value error, ").split(" [type=")[0]
+        return RecipePlan(None, f"no plan: plans.py's rule makes a plan hetero.plan rejects ({said})")
+
+
 def way(recipe: Recipe, workdir: Path, planned: bool) -> Way | None:
     """The scaled recipe's command line, with --hetero-plan when planned; None when planned
     and the flags give nothing to plan for."""
@@ -112,7 +147,7 @@ def way(recipe: Recipe, workdir: Path, planned: bool) -> Way | None:
     argv = scale_down(recipe.flags, workdir)
     if not planned:
         return Way(argv, layout.world_size, None)
-    made = plan_for(recipe.flags, argv, layout)
+    made = plan_of(recipe, argv, layout)
     if made.plan is None:
         return None
     path = workdir / "plan.json"
@@ -190,7 +225,7 @@ def recipe_status(recipe: Recipe) -> RecipeStatus:
     """Both ways, each in a directory of its own."""
     with tempfile.TemporaryDirectory(prefix="corpus.") as workdir:
         root = Path(workdir)
-        note = plan_for(recipe.flags, scale_down(recipe.flags, root), layout_of(recipe.flags)).note
+        note = plan_of(recipe, scale_down(recipe.flags, root), layout_of(recipe.flags)).note
         return RecipeStatus(outcome(recipe, root / "without-plan", planned=False),
                             outcome(recipe, root / "under-plan", planned=True), note)
 
@@ -204,22 +239,54 @@ def _short(reason: str) -> str:
     return text.replace("|", "\\|")
 
 
-def group_of(reason: str) -> str:
-    """A refusal's group: the catalog theme of the first flag it names."""
+@functools.lru_cache(maxsize=1)
+def _rulings_by_option() -> dict:
+    """option string -> the flag catalog's ruling (built once: every table groups its refusals)."""
     from megatron.hetero.arguments import build_parser
-    from megatron.hetero.flags import catalog
     from megatron.hetero.flags.parsing import defined_options
     from megatron.hetero.flags.rules import rulings
 
     table = rulings(defined_options(build_parser()))
-    by_option = {o: r for r in table.values() for o in r.flag.option_strings}
+    return {o: r for r in table.values() for o in r.flag.option_strings}
+
+
+@functools.lru_cache(maxsize=None)
+def _tag_themes(tag: str) -> dict[str, str]:
+    """option string -> theme of the refused flags of Megatron-LM's parser at ``tag``, as the
+    flag catalog rules them under that tag (flags/rules.py: catalogued, else - at a later tag
+    than the reference one - "unreviewed"). For a flag the installed release's parser does not
+    define: a tag's table reads the same whichever megatron-core renders it."""
+    from megatron.hetero.flags import catalog
+    from megatron.hetero.flags.facts import FACTS_FILES, megatron_flags
+
+    flags = megatron_flags(tag)
+    themes = catalog.theme_of_flags({f.name: f.group for f in flags})
+    later = tag != next(iter(FACTS_FILES))
+    return {o: themes.get(f.name, "unreviewed") for f in flags for o in f.option_strings
+            if f.name in themes or later}
+
+
+PROBLEMS = re.compile(r"\d+ problems with this launch")  # megatron/hetero/problems.py's header
+
+
+def group_of(reason: str, tag: str = DEFAULT_TAG) -> str:
+    """A refusal's group: the catalog theme of the first flag it names."""
+    from megatron.hetero.flags import catalog
+
+    by_option = _rulings_by_option()
     for flag in refused_flags(reason):
         ruling = by_option.get(flag)
-        if ruling is not None and ruling.theme:
-            return catalog.THEMES[ruling.theme].title if ruling.theme in catalog.THEMES else ruling.theme
-    # A refused value or combination: its message's first clause names it.
-    lines = [line.strip() for line in reason.splitlines() if line.strip().startswith("--")]
-    return re.split(r"[;:(]", (lines or [reason.strip()])[0], maxsplit=1)[0].strip()
+        theme = ruling.theme if ruling is not None else _tag_themes(tag).get(flag)
+        if theme:
+            return catalog.THEMES[theme].title if theme in catalog.THEMES else theme
+    # A refused value or combination: its message's first clause names it (of several
+    # problems, the first problem's; an unknown flag's group without the flag's name).
+    text = reason.strip()
+    first = re.search(r"^\s*1\. (.+?)(?=^\s*2\. |\Z)", text, re.M | re.S) if PROBLEMS.match(text) else None
+    text = first.group(1) if first else text
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("--")]
+    clause = re.split(r"[;:(]", (lines or [text])[0], maxsplit=1)[0].strip()
+    return re.sub(r"^unknown flag --\S+$", "unknown flag", clause)
 
 
 def _counts(outcomes: list[Outcome]) -> str:
@@ -249,17 +316,17 @@ def _reason(status: RecipeStatus) -> str:
     return ""
 
 
-def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus]) -> str:
+def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus], tag: str = DEFAULT_TAG) -> str:
     without = [statuses[r.name].without_plan for r in found]
     under = [statuses[r.name].under_plan for r in found]
     both = sum(s.without_plan.status == s.under_plan.status == "trained" for s in statuses.values())
     eligible = [r for r in found if layout_of(r.flags).ep <= 1]
-    groups = Counter(group_of(s.without_plan.reason) for s in statuses.values()
+    groups = Counter(group_of(s.without_plan.reason, tag) for s in statuses.values()
                      if s.without_plan.status == "refused")
     header = ("<!-- generated by `python -m tests.megatron_corpus.report`; "
               "tests/test_megatron_corpus.py checks it -->")
     intro = (
-        "Every GPT and MoE functional-test recipe of Megatron-LM at core_v0.16.1 "
+        f"Every GPT and MoE functional-test recipe of Megatron-LM at {tag} "
         "(`tests/functional_tests/test_cases/{gpt,moe}/*/model_config.yaml`, its MODEL_ARGS) "
         f"and its GPT/Llama/Mixtral example launch scripts: {len(found)} recipes "
         "(tests/megatron_corpus/). Each runs unchanged but for one scale-down rule "
@@ -267,7 +334,15 @@ def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus]) -> str:
         "parallel layout (TP x PP x CP x DP processes: DP = EP where experts are spread over data-parallel ranks (1 where a replica's TP x CP ranks hold EP x expert TP), twice that where the model-parallel ranks are 2 or fewer, as Megatron-LM's 8-GPU CI runs them data-parallel), on CPU "
         "processes: GPU-only kernel choices run as their CPU equivalents, listed in one "
         "start-up note (docs/compatibility.md). A checkpoint-resume recipe runs its first "
-        "training (3 iterations, saved at the end), not Megatron-LM's second, resuming run.")
+        "training (3 iterations, saved at the end), not Megatron-LM's second, resuming run. "
+        f"Run with megatron-core {CORE_RELEASE[tag]}.")
+    others = [t for t in TAGS if t != tag]
+    if tag == DEFAULT_TAG:
+        versions = " ".join(f"The recipes at {t}, run the same way with megatron-core {CORE_RELEASE[t]}: "
+                            f"[{doc_path(t).name}]({doc_path(t).name})." for t in others)
+    else:
+        versions = (f"The recipes at {DEFAULT_TAG}, run the same way with megatron-core {CORE_RELEASE[DEFAULT_TAG]}: "
+                    f"[{doc_path(DEFAULT_TAG).name}]({doc_path(DEFAULT_TAG).name}).")
     planned = (
         "Each recipe runs twice: **without a plan** (the layout stock Megatron would run) and "
         "**under a plan** (`--hetero-plan`, every flag unchanged): a heterogeneous plan of "
@@ -284,6 +359,8 @@ def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus]) -> str:
         header,
         "",
         intro,
+        "",
+        versions,
         "",
         planned,
         "",
@@ -306,7 +383,7 @@ def markdown(found: list[Recipe], statuses: dict[str, RecipeStatus]) -> str:
     for recipe in found:
         status = statuses[recipe.name]
         layout = layout_of(recipe.flags)
-        lines.append(f"| [{recipe.name}](https://github.com/NVIDIA/Megatron-LM/blob/core_v0.16.1/"
+        lines.append(f"| [{recipe.name}](https://github.com/NVIDIA/Megatron-LM/blob/{tag}/"
                      f"{recipe.source}) | {layout.describe()} | {layout.world_size} | "
                      f"{status.without_plan.status} | {status.under_plan.status} | {status.plan or '-'} | "
                      f"{_reason(status)} |")
@@ -327,28 +404,41 @@ def _one_way(recorded: dict) -> RecipeStatus:
                         Outcome("not run", "recorded before the runs under a plan"))
 
 
-def load_statuses() -> dict[str, RecipeStatus]:
-    return _read(STATUSES)
+def load_statuses(tag: str = DEFAULT_TAG) -> dict[str, RecipeStatus]:
+    return _read(statuses_path(tag))
 
 
 def _write(path: Path, statuses: dict[str, RecipeStatus]) -> None:
     write_json_atomic(path, {name: asdict(s) for name, s in sorted(statuses.items())})
 
 
-def save_statuses(statuses: dict[str, RecipeStatus]) -> None:
-    _write(STATUSES, statuses)
+def save_statuses(statuses: dict[str, RecipeStatus], tag: str = DEFAULT_TAG) -> None:
+    _write(statuses_path(tag), statuses)
 
 
 @contextmanager
-def _locked() -> Iterator[None]:
-    """One writer of statuses.json and the progress file at a time."""
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as handle:
+def _locked(tag: str = DEFAULT_TAG) -> Iterator[None]:
+    """One writer of a tag's statuses and progress file at a time."""
+    lock = _run_dir(tag) / LOCK.name
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SystemExit(f"another corpus run holds {LOCK}; wait for it to finish") from None
+            raise SystemExit(f"another corpus run holds {lock}; wait for it to finish") from None
         yield
+
+
+def _check_release(tag: str) -> None:
+    """A run records statuses only on the megatron-core release its tag's corpus runs with."""
+    from importlib.metadata import version
+
+    installed = version("megatron-core")  # the one on the path, without importing it
+    wanted = CORE_RELEASE[tag]
+    if installed.split(".")[:2] != wanted.split(".")[:2]:
+        hint = " (PYTHONPATH=.core019)" if wanted.startswith("0.19") else ""
+        raise SystemExit(f"the {tag} corpus runs with megatron-core {wanted}{hint}; "
+                         f"megatron-core {installed} is installed")
 
 
 def _run(todo: list[Recipe], jobs: int, record) -> None:
@@ -362,7 +452,12 @@ def _run(todo: list[Recipe], jobs: int, record) -> None:
     try:
         running = {pool.submit(recipe_status, recipe): recipe for recipe in todo}
         for finished in as_completed(running):
-            recipe, status = running[finished], finished.result()
+            recipe = running[finished]
+            try:
+                status = finished.result()
+            except Exception as err:  # the harness itself (scale.py, plans.py): recorded as failed, the run goes on
+                failed = Outcome("failed", f"the corpus harness raised {type(err).__name__}: {str(err)[-1500:]}")
+                status = RecipeStatus(failed, failed)
             record(recipe.name, status)
             done += 1
             elapsed = round(time.monotonic() - start)
@@ -387,54 +482,58 @@ def main(argv: list[str]) -> int:
                       help="only compare the table with the recorded statuses")
     mode.add_argument("--table", action="store_true",
                       help="only rewrite the table from the recorded statuses")
+    parser.add_argument("--tag", choices=TAGS, default=DEFAULT_TAG,
+                        help=f"the Megatron-LM tag's corpus (default {DEFAULT_TAG})")
     parser.add_argument("--jobs", type=int, default=1, help="recipes run at once (default 1)")
     parser.add_argument("--restart", action="store_true",
                         help="with --run-all: discard an unfinished run's progress")
     options = parser.parse_args(argv)
     # SIGTERM ends the run as Ctrl-C does: the job server stops, the progress is kept.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    found = recipes()
+    tag = options.tag
+    found, doc, progress = recipes(tag), doc_path(tag), _run_dir(tag) / PROGRESS.name
     if options.check:
-        statuses = load_statuses()
-        stale = (set(statuses) != {r.name for r in found} or not DOC.exists()
-                 or DOC.read_text() != markdown(found, statuses))
-        print("docs/megatron-recipes.md is " + ("stale" if stale else "up to date"))
+        statuses = load_statuses(tag)
+        stale = (set(statuses) != {r.name for r in found} or not doc.exists()
+                 or doc.read_text() != markdown(found, statuses, tag))
+        print(f"docs/{doc.name} is " + ("stale" if stale else "up to date"))
         return int(stale)
-    with _locked():
+    with _locked(tag):
         if options.table:
-            DOC.write_text(markdown(found, load_statuses()))
+            doc.write_text(markdown(found, load_statuses(tag), tag))
             return 0
+        _check_release(tag)
         if options.only is not None:
             unknown = sorted(set(options.only) - {r.name for r in found})
             if unknown:
                 parser.error(f"no such recipe: {', '.join(unknown)}")
-            statuses = load_statuses()
+            statuses = load_statuses(tag)
 
             def record(name: str, status: RecipeStatus) -> None:
                 statuses[name] = status
-                save_statuses(statuses)
+                save_statuses(statuses, tag)
 
             _run([r for r in found if r.name in options.only], options.jobs, record)
         else:
             if options.restart:
-                PROGRESS.unlink(missing_ok=True)
-            statuses = _read(PROGRESS)
+                progress.unlink(missing_ok=True)
+            statuses = _read(progress)
             if statuses:
-                print(f"resuming: {len(statuses)} of {len(found)} recipes done ({PROGRESS})", flush=True)
+                print(f"resuming: {len(statuses)} of {len(found)} recipes done ({progress})", flush=True)
 
             def record(name: str, status: RecipeStatus) -> None:
                 statuses[name] = status
-                _write(PROGRESS, statuses)
+                _write(progress, statuses)
 
             _run([r for r in found if r.name not in statuses], options.jobs, record)
-            save_statuses(statuses)
-            PROGRESS.unlink(missing_ok=True)
+            save_statuses(statuses, tag)
+            progress.unlink(missing_ok=True)
         if set(statuses) == {r.name for r in found}:
-            DOC.write_text(markdown(found, statuses))
-            print(f"{DOC}: without a plan {dict(Counter(s.without_plan.status for s in statuses.values()))}; "
+            doc.write_text(markdown(found, statuses, tag))
+            print(f"{doc}: without a plan {dict(Counter(s.without_plan.status for s in statuses.values()))}; "
                   f"under a plan {dict(Counter(s.under_plan.status for s in statuses.values()))}")
         else:
-            print(f"{DOC} not written: statuses.json lacks recipes; run --run-all")
+            print(f"{doc} not written: {statuses_path(tag).name} lacks recipes; run --run-all")
     return 0
 
 

@@ -171,6 +171,11 @@ def sizes(pairs: list[list[str]]) -> dict[str, str]:
     }
 
 
+# Flags whose value has spaces yet is one argument (the recipe quotes it): kept whole, not
+# split into words as a list value is (core_v0.19's "0:384 200B:768 400B:1152").
+ONE_ARGUMENT = frozenset({"--step-batch-size-schedule"})
+
+
 def scale_down(pairs: list[list[str]], workdir: Path) -> list[str]:
     """The recipe's command line under the rule above (the layout flags untouched)."""
     flags = {p[0]: (p[1] if len(p) > 1 else None) for p in pairs}
@@ -183,6 +188,8 @@ def scale_down(pairs: list[list[str]], workdir: Path) -> list[str]:
             out.append("--mock-data")
         elif flag == "--pipeline-model-parallel-layout" and value is not None:
             out += [flag, value.replace("\\", "")]  # the shell escapes of the CI's YAML
+        elif flag in ONE_ARGUMENT and value is not None:
+            out += [flag, value]  # a quoted value with spaces: one argument, kept whole
         elif flag in files:
             out += [flag, files[flag]]
         elif flag in table and value is not None:

@@ -2,9 +2,11 @@
 Megatron-LM at one tag, read from a git mirror of Megatron-LM (facts: flags and values).
 
     python -m tests.megatron_corpus.transcribe /path/to/Megatron-LM.git [core_v0.16.1]
+    python -m tests.megatron_corpus.transcribe /path/to/Megatron-LM.git core_v0.19.0
 
-The example launch scripts are transcribed by hand in tests/recipes/*.args (bash arrays
-do not transcribe mechanically); corpus.py reads both.
+core_v0.16.1 writes corpus.json, another tag corpus.<tag>.json (corpus.corpus_file). The
+example launch scripts are transcribed by hand in tests/recipes/*.args (at another tag,
+tests/recipes/<tag>/*.args: bash arrays do not transcribe mechanically); corpus.py reads both.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-HERE = Path(__file__).parent
+from tests.megatron_corpus.corpus import DEFAULT_TAG, corpus_file
+
 ROOTS = ("tests/functional_tests/test_cases/gpt/", "tests/functional_tests/test_cases/moe/")
 
 
@@ -36,7 +39,7 @@ def _flag_list(model_args: dict) -> list[list[str]]:
     return pairs
 
 
-def transcribe(git_dir: str, tag: str = "core_v0.16.1") -> list[dict]:
+def transcribe(git_dir: str, tag: str = DEFAULT_TAG) -> list[dict]:
     def git(*argv: str) -> str:
         return subprocess.run(["git", "--git-dir", git_dir, *argv], check=True,
                               capture_output=True, text=True).stdout
@@ -56,12 +59,12 @@ def transcribe(git_dir: str, tag: str = "core_v0.16.1") -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    git_dir, tag = argv[0], (argv[1] if len(argv) > 1 else "core_v0.16.1")
+    git_dir, tag = argv[0], (argv[1] if len(argv) > 1 else DEFAULT_TAG)
     recipes = transcribe(git_dir, tag)
     lines = ",\n".join(json.dumps(r) for r in recipes)  # one recipe a line: diffs stay readable
-    (HERE / "corpus.json").write_text(
+    corpus_file(tag).write_text(
         f'{{"megatron_lm_tag": "{tag}",\n "recipes": [\n{lines}\n]}}\n')
-    print(f"{len(recipes)} recipes -> {HERE / 'corpus.json'}")
+    print(f"{len(recipes)} recipes -> {corpus_file(tag)}")
 
 
 if __name__ == "__main__":
