@@ -110,8 +110,9 @@ def test_the_control_directory_protocol(tmp_path):
 @EMULATOR
 def test_a_lost_node_costs_the_survivors_no_restart_and_no_file_read(tmp_path):
     plan = _plan(tmp_path)
-    train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
-                                    "--use-distributed-optimizer", "--inprocess-restart"]
+    base = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", "10",
+                                   "--use-distributed-optimizer"]
+    train = base + ["--inprocess-restart", "--non-persistent-save-interval", "1"]  # a snapshot every iteration
     # killed between iteration 4's snapshot and the next
     lines, _ = supervise(tmp_path, CLUSTER, plan, train, ["node-slow"], when=f"iteration {4:8d}/",
                          settle_s=0.3)
@@ -140,12 +141,12 @@ def test_a_lost_node_costs_the_survivors_no_restart_and_no_file_read(tmp_path):
     from hetero.spec.cluster import Cluster
 
     with EmulatedCluster(Cluster.load(CLUSTER), RankLayout.of_plan(layout)) as emulated:
-        reference = emulated.run(["pretrain_gpt.py", "--hetero-plan", str(plan), *train[:-1], "--train-iters",
+        reference = emulated.run(["pretrain_gpt.py", "--hetero-plan", str(plan), *base, "--train-iters",
                                   str(restored.iteration), "--save", str(save), "--save-interval",
                                   str(restored.iteration)], timeout=600, echo=False)
     assert reference.returncode == 0, reference.output[-3000:]
     replanned = tmp_path / "runs" / "plan-inprocess-1.json"
-    by_hand = run_pretrain(train[:-1] + ["--load", str(save), "--hetero-plan", str(replanned)], nproc=2,
+    by_hand = run_pretrain(base + ["--load", str(save), "--hetero-plan", str(replanned)], nproc=2,
                            env={"HETERO_DEVICE": "cpu-fast", "HETERO_VENDOR": "cpu"}, timeout=300)
     assert by_hand.returncode == 0, by_hand.output[-3000:]
     expected = by_hand.iteration_losses()
@@ -261,6 +262,10 @@ def test_a_returned_node_joins_without_a_restart_of_the_others(tmp_path):
     assert finished_by == {**waited, **joiners}, (finished_by, waited, joiners)
     assert Plan.load(tmp_path / "runs" / "plan-inprocess-2.json").world_size == Plan.load(plan).world_size
     assert "join at the next iteration boundary" in output
+    # The default interval between snapshots: measured afresh under every plan, by every rank
+    # alike (under the re-plan after the loss and after the join; the first plan may lose its
+    # node before it has measured)
+    assert output.count("> in-process restart: a snapshot takes") >= 2, output[-5000:]
     # Every iteration trained once in the end, and the run as a whole is one process's run.
     got = losses(recorded)
     assert sorted(got) == list(range(1, iterations + 1)), sorted(got)

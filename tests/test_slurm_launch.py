@@ -572,7 +572,8 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
     iterations = 200  # long enough for two returned nodes' processes to start while the job trains
     base = _training(None) + ["--use-distributed-optimizer"]
     base[base.index("--train-iters") + 1] = str(iterations)
-    train = base + ["--inprocess-restart", "--save", str(tmp_path / "ckpt"), "--save-interval", "20"]
+    train = base + ["--inprocess-restart", "--non-persistent-save-interval", "1",  # a snapshot every iteration
+                    "--save", str(tmp_path / "ckpt"), "--save-interval", "20"]
     # A fault drill: every rank pauses inside each checkpoint write, after writing its files.
     done = _cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
                 "--run-dir", str(run_dir), "--poll-s", "2", "--env", "GLOO_SOCKET_IFNAME=eth0",

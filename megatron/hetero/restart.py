@@ -1,7 +1,9 @@
 """In-process restart (--inprocess-restart): the state in memory, and a lost node survived
 without restarting a process.
 
-Every --non-persistent-save-interval iterations (default 1) each rank snapshots its model,
+Every --non-persistent-save-interval iterations (by default: as often as costs at most
+SNAPSHOT_BUDGET of the iteration time, measured at the start; every iteration where a
+snapshot is that cheap) each rank snapshots its model,
 optimizer and scheduler state into host memory and sends a copy to ranks on other nodes
 (``--hetero-snapshot-replicas``, default 1; snapshots.py). When a node is lost, the survivors'
 collectives fail; each survivor records where it stands (hetero/launch/inprocess.py:
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,6 +42,10 @@ from megatron.hetero.patches import snapshot_in_progress
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
 
 
+SNAPSHOT_BUDGET = 0.03  # of the iteration time, for the default interval between snapshots
+MEASURED_ITERATIONS = 3  # snapshots taken and timed before the default interval is chosen
+
+
 @dataclass
 class Outcome:
     """How a run of the training loop ended: done, or to carry on under ``rejoin``."""
@@ -54,10 +61,20 @@ class InProcessRestart:
         self.args = args
         self.control_dir = control_dir
         self.epoch = int(os.environ.get(REJOIN, "0"))
-        self.interval = args.non_persistent_save_interval or 1
         self.replicas = args.hetero_snapshot_replicas
         self.store = SnapshotStore()
         self.snapshot_seconds: list[float] = []
+        self.begin_plan()
+
+    def begin_plan(self) -> None:
+        """A new plan (the first, or a re-plan): the interval between snapshots is
+        --non-persistent-save-interval, or measured afresh by every rank of the plan alike."""
+        self.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
+        self.interval = self.args.non_persistent_save_interval or 1
+        self.interval_measured = self.args.non_persistent_save_interval is None
+        self._gaps: list[float] = []  # iteration times between snapshots (wall, end to start)
+        self._since: float | None = None
+        self._first_of_plan = len(self.snapshot_seconds)
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "InProcessRestart | None":
@@ -79,8 +96,30 @@ class InProcessRestart:
 
     def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         self.store.settle(block=False)  # the last snapshot's copies, if they arrived meanwhile
-        if iteration % self.interval == 0:
+        if self._since is not None:
+            self._gaps.append(time.perf_counter() - self._since)
+        if self.interval_measured and len(self._gaps) == MEASURED_ITERATIONS:
+            self.interval = self.chosen_interval()
+            self.interval_measured = False
+        if iteration % self.interval == 0 or self.interval_measured:
             self.snapshot(iteration, model, optimizer, scheduler, plan)
+        self._since = time.perf_counter()
+
+    def chosen_interval(self) -> int:
+        """The default interval: the fewest iterations between snapshots that keep their cost
+        within SNAPSHOT_BUDGET of the time training takes meanwhile, from the snapshots and
+        iterations measured so far (the slowest rank's, agreed by every rank)."""
+        taken = self.snapshot_seconds[self._first_of_plan:]
+        measured = torch.tensor([max(taken[1:] or taken),  # the first exchanges the layout too
+                                 sorted(self._gaps)[len(self._gaps) // 2]], dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        snapshot_s, iteration_s = measured.tolist()
+        interval = max(1, math.ceil(snapshot_s / (SNAPSHOT_BUDGET * iteration_s)))
+        print_rank_0(f"> in-process restart: a snapshot takes {snapshot_s * 1e3:.0f} ms, an iteration "
+                     f"{iteration_s * 1e3:.0f} ms: a snapshot every {interval} iteration"
+                     f"{'s' if interval > 1 else ''}, within {SNAPSHOT_BUDGET:.0%} of the time "
+                     "(--non-persistent-save-interval N to choose)")
+        return interval
 
     def snapshot(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         """This rank's state into host memory, and a copy to ranks on other nodes."""

@@ -377,7 +377,8 @@ class Trainer:
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self.save(iteration)
                 saved = True
-            elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+            elif args.save and args.non_persistent_ckpt_type == "global" and args.non_persistent_save_interval \
+                    and iteration % args.non_persistent_save_interval == 0:  # (in_memory, local: snapshots)
                 self.save_non_persistent(iteration)
             if self.exit_requested is not None and self.exit_requested():
                 if args.save and not saved:

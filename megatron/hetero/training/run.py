@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         rejoin = wait_for_rejoin(restart.control_dir, restart.epoch, timeout_s=args.inprocess_barrier_timeout)
     while True:
         if restart is not None:
-            restart.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
+            restart.begin_plan()
         ctx = startup.init_distributed(args, plan, plan_source)
         watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                             exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None,
