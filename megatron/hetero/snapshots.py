@@ -18,6 +18,7 @@ iteration, counters) is the same on every rank and kept whole by each.
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -146,16 +147,14 @@ class SnapshotStore:
         them; else only if they have)."""
         if self.in_flight is None:
             return
-        works, iteration, received, headers = self.in_flight
-        if not block and not all(work.is_completed() for work in works):
+        arrived, failures, iteration, received, headers = self.in_flight
+        if not block and not arrived.is_set():
             return
+        arrived.wait()
         self.in_flight = None
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError:
-            if block:
-                raise  # a peer lost during the copies: the training loop's recovery takes over
+        if failures:
+            if block:  # a peer lost during the copies: the training loop's recovery takes over
+                raise RuntimeError(f"a snapshot copy failed: {failures[0]}")
             return  # a copy that failed is no copy
         if iteration in self.own:  # not dropped meanwhile (KEPT generations)
             # The common state (iteration, scheduler, counters) is the same on every rank: this one's.
@@ -192,8 +191,20 @@ class SnapshotStore:
             theirs = headers[peer]
             received[peer] = {b: torch.empty(b.shape, dtype=_dtype(d)) for b, d in zip(theirs["boxes"], theirs["dtypes"])}
             ops += [dist.P2POp(dist.irecv, received[peer][b], peer, group) for b in theirs["boxes"]]
-        self.in_flight = (dist.batch_isend_irecv(ops) if ops else [], own.iteration, received, headers)
-        self.settle(block=False)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        arrived, failures = threading.Event(), []
+
+        def wait_for_transfers() -> None:  # gloo's point-to-point work says it is done only once waited for
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as err:  # noqa: BLE001 - reported by settle()
+                failures.append(err)
+            finally:
+                arrived.set()
+
+        threading.Thread(target=wait_for_transfers, name="hetero-snapshot-copies", daemon=True).start()
+        self.in_flight = (arrived, failures, own.iteration, received, headers)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -320,6 +320,8 @@ class Trainer:
                 train_iterator = train_data(iteration, self.schedule)
                 continue
             losses, grad_norm, skipped, num_zeros = self.train_step(train_iterator, global_batch_size)
+            if self.restart is not None:  # the last snapshot's copies, arrived during the step
+                self.restart.store.settle(block=False)
             self.operations_this_job += self.spec.training_flops(global_batch_size)
             iteration += 1
             profiling.after_iteration(iteration)
