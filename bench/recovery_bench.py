@@ -2,28 +2,46 @@
 measured side by side on the emulated cpu_demo cluster (a fast and a slow node, two ranks
 each; tools/emulator, needs root).
 
-    sudo python bench/recovery_bench.py                 # about 10 minutes on 2 cores
+    sudo python bench/recovery_bench.py                 # parts 1 and 2 about 10 minutes on 2 cores
     sudo python bench/recovery_bench.py --repeats 1     # a quick check
+    sudo python bench/recovery_bench.py --only goodput  # part 3 alone (a 4-node cluster of its own)
 
 1. Snapshot overhead: the same job with and without --inprocess-restart (a snapshot of every
-   rank's model and optimizer into host memory after every iteration, copied to a rank on the
-   other node), runs alternated; median iteration time of each run, then the median and the
-   spread over runs; and the host memory the snapshots hold per rank. Target: <= 3%.
+   rank's model and optimizer into host memory at the default interval, which the job measures
+   and logs, copied to a rank on the other node), runs alternated; the median wall time from one iteration's log line to the
+   next in each run (snapshots included), then the median and the spread over runs; and the
+   host memory the snapshots hold per rank. Target: <= 3%.
 2. Recovery: the slow node is killed after an iteration (between snapshots, not at a
    checkpoint); the time from the kill to the first iteration logged after it, and the
    iterations trained again, for in-process restart (survivors re-planned in place, state from
    memory) and for the elastic restart from the last checkpoint (--save-interval 5). Target:
    <= 5 s in-process.
 
+3. Goodput (--only goodput): a 200-iteration job on a 4-node emulated cluster (one cpu-fast
+   rank per node, four data-parallel replicas) loses node-b at iteration 50, node-c at 100 and
+   node-d at 150 and finishes on node-a; in-process restart against the elastic restart from
+   disk checkpoints (--save-interval 10, a new attempt per loss), runs alternated. Per mode:
+   wall time start -> finish, iterations trained again, time lost (wall minus the kept
+   iterations' times: the last time each iteration was trained) and goodput (kept time /
+   wall), and kill -> first resumed iteration for each loss, and where the time lost went.
+   Every attempt's ranks keep their share of the machine (the emulator's elastic runner sizes
+   the quotas for the whole cluster), so that a restart on fewer ranks does not run on faster
+   emulated devices than the in-process survivors. One repeat unless --repeats says more (a
+   run per mode takes minutes).
+
 Every run is a fresh emulated job under the emulator's supervisor; iteration times and losses
-come from the job's own event records (hetero.events).
+come from the job's own event records (hetero.events). A node is killed by SIGKILL to its
+processes within the benchmark's own job only (other emulated jobs on the machine may use the
+same host names).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,7 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hetero.events import Iteration, SnapshotCost, StateRestored, of_kind, read_events  # noqa: E402
-from tools.emulator.cluster import kill_node  # noqa: E402
+from hetero import env as hetero_env  # noqa: E402
+from tools.emulator.cluster import descendants  # noqa: E402
 
 CLUSTER = REPO / "examples" / "clusters" / "cpu_demo.yaml"
 MODEL = {"num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 512, "num_attention_heads": 4,
@@ -64,32 +83,76 @@ def plan(workdir: Path) -> Path:
     return path
 
 
+def kill_node_of(job_pid: int, host: str) -> int:
+    """SIGKILL to every process of one emulated node of the job under job_pid (its launcher
+    and its workers), as tools.emulator.cluster.kill_node does, but only within this job:
+    another emulated job on the machine may have a node of the same name."""
+    marker = f"{hetero_env.EMULATED_HOST}={host}".encode()
+    killed = 0
+    for pid in descendants([job_pid]):
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            pass
+    return killed
+
+
+def attempts_of(run_dir: Path) -> list[list]:
+    """Each attempt's events, in attempt order."""
+    folders = sorted(run_dir.glob("attempt-*-events"), key=lambda f: int(f.name.split("-")[1]))
+    return [read_events(folder) for folder in folders]
+
+
+def supervised_losing(cluster: Path, plan_path: Path, run_dir: Path, flags: list[str],
+                      losses: list[tuple[int, str]] = (), max_restarts: int = 3
+                      ) -> tuple[float, float, list[float], list[int], list[list], str]:
+    """One job under the emulator's supervisor; kills each (iteration, host) of losses's node
+    once that iteration is logged (the first time: after a resume from disk the iteration
+    numbers repeat). Returns (start, end, each kill's time, the processes each kill ended, each attempt's
+    events, output)."""
+    pending = list(losses)
+    emulator = ["-m", "tools.emulator"]
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, *emulator, "--cluster", str(cluster), "--plan",
+                             str(plan_path), "--elastic", "--max-restarts", str(max_restarts), "--run-dir",
+                             str(run_dir), "--", "pretrain_gpt.py", *flags], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines, kills, killed = [], [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if pending and f"iteration {pending[0][0]:8d}/" in line:
+                time.sleep(0.3)
+                kills.append(time.time())
+                killed.append(kill_node_of(proc.pid, pending[0][1]))
+                if killed[-1] == 0:
+                    raise SystemExit(f"no process of {pending[0][1]} to kill:\n" + "".join(lines)[-4000:])
+                pending.pop(0)
+        code = proc.wait(timeout=900)
+        ended = time.time()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if code != 0 or pending:
+        fd, kept = tempfile.mkstemp(prefix="recovery-bench-failed.", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            log.write("".join(lines))
+        raise SystemExit(f"a benchmark job failed (exit {code}, losses not reached: {pending}; its whole output "
+                         f"in {kept}):\n" + "".join(lines)[-4000:])
+    return started, ended, kills, killed, attempts_of(run_dir), "".join(lines)
+
+
 def supervised(plan_path: Path, run_dir: Path, flags: list[str], kill_after: int | None = None
                ) -> tuple[float | None, list[list], str]:
     """One job under the emulator's supervisor; kills node-slow once iteration kill_after is
     logged. Returns (the kill's time, each attempt's events, the output)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tools.emulator", "--cluster", str(CLUSTER), "--plan",
-                             str(plan_path), "--elastic", "--run-dir", str(run_dir), "--", "pretrain_gpt.py",
-                             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines, killed_at = [], None
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if kill_after is not None and f"iteration {kill_after:8d}/" in line:
-                time.sleep(0.3)
-                killed_at = time.time()
-                kill_node("node-slow")
-                break
-        lines += proc.stdout.readlines()
-        code = proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    if code != 0:
-        raise SystemExit(f"a benchmark job failed (exit {code}):\n" + "".join(lines)[-4000:])
-    attempts = [read_events(folder) for folder in sorted(run_dir.glob("attempt-*-events"))]
-    return killed_at, attempts, "".join(lines)
+    losses = [(kill_after, "node-slow")] if kill_after is not None else []
+    _, _, kills, _, attempts, output = supervised_losing(CLUSTER, plan_path, run_dir, flags, losses)
+    return (kills[0] if kills else None), attempts, output
 
 
 def spread(values: list[float]) -> float:
@@ -98,14 +161,21 @@ def spread(values: list[float]) -> float:
 
 def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
     per_run = {"off": [], "on": []}
-    memory = []
+    memory, intervals = [], []
     for repeat in range(repeats):
         for mode in ("off", "on"):
             flags = FLAGS + ["--train-iters", str(iters)] + (["--inprocess-restart"] if mode == "on" else [])
             if mode == "off":
                 flags += ["--save", str(workdir / f"unused-{repeat}"), "--save-interval", "100000"]
-            _, (recorded,), _ = supervised(plan_path, workdir / f"overhead-{mode}-{repeat}", flags)
-            times = [e.elapsed_s for e in of_kind(recorded, Iteration)][3:]  # past the warm-up
+            _, (recorded,), output = supervised(plan_path, workdir / f"overhead-{mode}-{repeat}", flags)
+            chosen = re.findall(r"a snapshot every (\d+) iteration", output)
+            if chosen:
+                intervals.append(int(chosen[-1]))
+            logged = sorted(of_kind(recorded, Iteration), key=lambda e: e.iteration)
+            # The wall time from one iteration's log to the next: the iteration and everything
+            # after it (the snapshot comes after the logged iteration time, as Megatron-LM's
+            # checkpoint time does), past the warm-up.
+            times = [b.time - a.time for a, b in zip(logged, logged[1:])][3:]
             per_run[mode].append(statistics.median(times))
             memory += [e.host_bytes for e in of_kind(recorded, SnapshotCost)]
             print(f"  overhead run {repeat} {mode}: median iteration {per_run[mode][-1] * 1e3:.1f} ms", flush=True)
@@ -115,6 +185,7 @@ def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
             "spread_without": spread(per_run["off"]), "spread_with": spread(per_run["on"]),
             "overhead_pct_median": (statistics.median(ratios) - 1) * 100,
             "overhead_pct_pairs": [(r - 1) * 100 for r in ratios],
+            "snapshot_interval_chosen": intervals,
             "snapshot_host_mb_per_rank_max": max(memory) / 2**20 if memory else None,
             "snapshot_host_mb_per_rank": sorted(m / 2**20 for m in memory)}
 
@@ -149,23 +220,164 @@ def recovery(plan_path: Path, workdir: Path, repeats: int, iters: int, kill_afte
                    "iterations_trained_again": redone[mode]} for mode, values in found.items()}
 
 
+FOUR_NODES = {
+    "name": "cpu-four",
+    "devices": {"cpu-fast": {"vendor": "cpu", "memory_gib": 4, "peak_tflops": 0.05, "memory_bandwidth_gbs": 5}},
+    "groups": [{"name": "local", "nodes": [
+        {"host": f"node-{name}", "device": "cpu-fast", "count": 1, "intra_link": "loopback",
+         "nic": {"kind": "ethernet", "gbps": 8}} for name in ("a", "b", "c", "d")]}],
+}
+GOODPUT_ITERS = 200
+GOODPUT_LOSSES = [(50, "node-b"), (100, "node-c"), (150, "node-d")]
+
+
+def four_node_plan(workdir: Path) -> tuple[Path, Path]:
+    """The 4-node cluster and its plan: four data-parallel replicas, one per node (global
+    batch 16, micro-batch 2), so that every loss takes a replica and the survivors go on."""
+    import yaml
+
+    from hetero.plan import Plan
+
+    cluster = workdir / "four.yaml"
+    cluster.write_text(yaml.safe_dump(FOUR_NODES))
+    model = workdir / "model.yaml"
+    model.write_text(yaml.safe_dump(MODEL))
+    path = workdir / "plan-four.json"
+    subprocess.run([sys.executable, "-m", "hetero.cli", "--cluster", str(cluster), "--model", str(model),
+                    "--global-batch-size", "16", "--seq-length", "64", "--micro-batch-size", "2",
+                    "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "--skip-baseline",
+                    "--skip-upper-bound", "--quiet", "-o", str(path)], cwd=REPO, check=True)
+    hosts = sorted({host for host, _ in Plan.load(path).hosts()})
+    want = sorted(node["host"] for node in FOUR_NODES["groups"][0]["nodes"])
+    if hosts != want:
+        raise SystemExit(f"the 4-node plan uses {hosts}, not every node {want}: adjust the model or batch")
+    return cluster, path
+
+
+def first_resumed(attempts: list[list], killed_at: float, in_process: bool):
+    """The first iteration trained after the recovery from the kill at killed_at: in-process,
+    the first logged after the state was restored (an iteration in flight at the kill and
+    logged just after it is no recovery); else (or when the supervisor fell back to a new
+    attempt) the first of the attempts started after the kill."""
+    if in_process:
+        restored = [e for events in attempts for e in of_kind(events, StateRestored) if e.time > killed_at]
+        if restored:
+            restored_at = min(restored, key=lambda e: e.time)
+            after = [e for events in attempts for e in of_kind(events, Iteration) if e.time > restored_at.time]
+            if after:
+                return min(after, key=lambda e: e.time), restored_at
+    running = max((i for i, events in enumerate(attempts) if any(e.time <= killed_at for e in events)), default=0)
+    after = [e for events in attempts[running + 1:] for e in of_kind(events, Iteration)]
+    return (min(after, key=lambda e: e.time) if after else None), None
+
+
+def goodput_of(mode: str, started: float, ended: float, kills: list[float], killed: list[int],
+               attempts: list[list]) -> dict:
+    trained = sorted((e for events in attempts for e in of_kind(events, Iteration)), key=lambda e: e.time)
+    kept = {}
+    for event in trained:  # the last time each iteration was trained
+        kept[event.iteration] = event
+    missing = sorted(set(range(1, GOODPUT_ITERS + 1)) - set(kept))
+    kept_s = sum(e.elapsed_s * e.interval for e in kept.values())
+    wall = ended - started
+    losses = []
+    for (iteration, host), killed_at, processes in zip(GOODPUT_LOSSES, kills, killed):
+        before = max((e.iteration for e in trained if e.time <= killed_at), default=0)
+        after, restored = first_resumed(attempts, killed_at, mode == "in-process")
+        # iterations logged after the kill and before the recovery (an iteration in flight)
+        late = [e.iteration for e in trained if killed_at < e.time < (after.time if after else ended)
+                and e is not after]
+        losses.append({"node": host, "at_iteration": iteration, "processes_killed": processes,
+                       "logged_after_kill_before_resume": late,
+                       "kill_to_first_resumed_iteration_s": after.time - killed_at if after else None,
+                       "resumed_at_iteration": after.iteration if after else None,
+                       "iterations_trained_again": before - (after.iteration - 1) if after else None,
+                       "restored_from": restored.source if restored else None})
+    # Where the time lost went: before the first iteration (start-up), after the last (shut
+    # down), the iterations trained again, and between iterations outside their logged times
+    # (recoveries, restarts, snapshots, checkpoint saves).
+    first = trained[0].time - trained[0].elapsed_s - started if trained else None
+    last = ended - trained[-1].time if trained else None
+    between = sum(max(0.0, b.time - a.time - b.elapsed_s * b.interval) for a, b in zip(trained, trained[1:]))
+    redone_s = sum(e.elapsed_s * e.interval for e in trained) - kept_s
+    return {"wall_s": wall, "iterations_trained": len(trained), "iterations_trained_again": len(trained) - len(kept),
+            "missing_iterations": missing, "kept_iterations_s": kept_s, "time_lost_s": wall - kept_s,
+            "goodput": kept_s / wall, "attempts": len(attempts),
+            "time_lost_in": {"start_up_s": first, "iterations_trained_again_s": redone_s,
+                             "between_iterations_s": between, "shut_down_s": last},
+            "losses": losses}
+
+
+def goodput(workdir: Path, repeats: int) -> dict:
+    cluster, plan_path = four_node_plan(workdir)
+    runs = {"in-process": [], "disk": []}
+    for repeat in range(repeats):
+        for mode in ("in-process", "disk"):
+            flags = FLAGS + ["--train-iters", str(GOODPUT_ITERS)]
+            flags += ["--inprocess-restart"] if mode == "in-process" else [
+                "--save", str(workdir / f"goodput-ckpt-{repeat}"), "--save-interval", "10"]
+            started, ended, kills, killed, attempts, _ = supervised_losing(
+                cluster, plan_path, workdir / f"goodput-{mode}-{repeat}", flags, GOODPUT_LOSSES)
+            run = goodput_of(mode, started, ended, kills, killed, attempts)
+            runs[mode].append(run)
+            resumes = ", ".join(f"{l['node']}@{l['at_iteration']} {l['kill_to_first_resumed_iteration_s']:.1f} s"
+                                if l["kill_to_first_resumed_iteration_s"] is not None else f"{l['node']}: none"
+                                for l in run["losses"])
+            print(f"  goodput run {repeat} {mode}: wall {run['wall_s']:.1f} s, {run['iterations_trained_again']} "
+                  f"iterations trained again, lost {run['time_lost_s']:.1f} s, goodput {run['goodput']:.3f}; "
+                  f"kill -> resumed: {resumes}" + (f"; MISSING {run['missing_iterations']}"
+                                                   if run["missing_iterations"] else ""), flush=True)
+    summary = {}
+    for mode, done in runs.items():
+        summary[mode] = {
+            "repeats": len(done),
+            "wall_s_median": statistics.median(r["wall_s"] for r in done),
+            "goodput_median": statistics.median(r["goodput"] for r in done),
+            "time_lost_s_median": statistics.median(r["time_lost_s"] for r in done),
+            "iterations_trained_again_median": statistics.median(r["iterations_trained_again"] for r in done),
+            "kill_to_first_resumed_iteration_s_median": [
+                statistics.median(v) if (v := [r["losses"][i]["kill_to_first_resumed_iteration_s"] for r in done
+                                               if r["losses"][i]["kill_to_first_resumed_iteration_s"] is not None])
+                else None for i in range(len(GOODPUT_LOSSES))],
+            "runs": done}
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each mode (default 3 for overhead and recovery, 1 for goodput)")
     parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--only", choices=["overhead", "recovery"])
+    parser.add_argument("--only", choices=["overhead", "recovery", "goodput"])
     parser.add_argument("--out", default=None, help="results.json goes there (default: print only)")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="work in DIR and keep it (runs' events, plans, checkpoints; default: a "
+                             "temporary directory, removed)")
     options = parser.parse_args()
+    repeats = options.repeats if options.repeats is not None else 3
+    if options.keep and Path(options.keep).exists() and any(Path(options.keep).iterdir()):
+        parser.error(f"--keep {options.keep}: give a new or empty directory (old checkpoints would be resumed)")
     results = {}
-    with tempfile.TemporaryDirectory(prefix="recovery-bench.") as tmp:
+    with (contextlib.nullcontext(options.keep) if options.keep
+          else tempfile.TemporaryDirectory(prefix="recovery-bench.")) as tmp:
         workdir = Path(tmp)
-        plan_path = plan(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if options.only in (None, "overhead", "recovery"):
+            plan_path = plan(workdir)
         if options.only in (None, "overhead"):
-            print("snapshot overhead (every iteration, one copy on the other node):", flush=True)
-            results["overhead"] = overhead(plan_path, workdir, options.repeats, options.iters)
+            print("snapshot overhead (the default interval, one copy on the other node):", flush=True)
+            results["overhead"] = overhead(plan_path, workdir, repeats, options.iters)
         if options.only in (None, "recovery"):
             print("recovery after a lost node (kill -> first resumed iteration):", flush=True)
-            results["recovery"] = recovery(plan_path, workdir, options.repeats, 16, kill_after=7)
+            results["recovery"] = recovery(plan_path, workdir, repeats, 16, kill_after=7)
+        if options.only in (None, "goodput"):
+            goodput_repeats = options.repeats if options.repeats is not None else 1
+            print(f"goodput: {GOODPUT_ITERS} iterations on 4 nodes, losing "
+                  + ", ".join(f"{host} at {it}" for it, host in GOODPUT_LOSSES)
+                  + f"; in-process against disk (--save-interval 10), {goodput_repeats} repeat(s)"
+                  + (" (the default for this part: a run per mode takes minutes; --repeats N for more)"
+                     if options.repeats is None else "") + ":", flush=True)
+            results["goodput"] = goodput(workdir, goodput_repeats)
     print(json.dumps(results, indent=2))
     if options.out:
         Path(options.out).mkdir(parents=True, exist_ok=True)
