@@ -91,9 +91,7 @@ class InProcessSupervisor:
         except HeteroError as err:
             self.log(f"elastic: lost {', '.join(sorted(lost))}; no re-plan for the nodes left ({err})")
             return False
-        epoch = self.epoch + 1
-        plan_path = self.run_dir / f"plan-inprocess-{epoch}.json"
-        new_plan.save(plan_path)
+        epoch, plan_path = self._save_plan(new_plan)
         ranks = new_ranks(self.plan, new_plan, self.lost | lost)
         waiting = {where for where in places(self.plan) if where.rsplit(":", 1)[0] not in self.lost | lost}
         deadline = time.monotonic() + self.ready_timeout_s
@@ -107,8 +105,7 @@ class InProcessSupervisor:
                          f"{self.ready_timeout_s:.0f} s; restarting the job instead")
                 return False
             time.sleep(0.05)
-        store_host = self.address_of(new_plan.devices[0].host)
-        Rejoin(epoch, str(plan_path), store_host, random.randint(30000, 60000), ranks).save(self.control_dir)
+        self._write_rejoin(epoch, plan_path, new_plan, ranks)
         self.recovery_seconds.append(time.monotonic() - started)
         self.log(f"elastic: lost {', '.join(sorted(lost))}; re-planned in-process for "
                  f"{', '.join(h for h, _ in new_plan.hosts())}: {new_plan.summary()}; predicted "
@@ -135,9 +132,7 @@ class InProcessSupervisor:
             except HeteroError as err:
                 self.log(f"elastic: {', '.join(sorted(back))} came back; no re-plan with it ({err})")
                 return False
-        epoch = self.epoch + 1
-        plan_path = self.run_dir / f"plan-inprocess-{epoch}.json"
-        new_plan.save(plan_path)
+        epoch, plan_path = self._save_plan(new_plan)
         ranks = new_ranks(self.plan, new_plan, self.lost, joining=back)
         joining = {where for where in ranks if where.rsplit(":", 1)[0] in back}
         for host in sorted(back):
@@ -153,8 +148,7 @@ class InProcessSupervisor:
                          + "; not taken in")
                 return False
             time.sleep(0.05)
-        store_host = self.address_of(new_plan.devices[0].host)
-        Rejoin(epoch, str(plan_path), store_host, random.randint(30000, 60000), ranks).save(self.control_dir)
+        self._write_rejoin(epoch, plan_path, new_plan, ranks)
         taken_back(self.control_dir, back)
         self.join_seconds.append(time.monotonic() - started)
         self.log(f"elastic: {', '.join(sorted(back))} came back; re-planned in-process for "
@@ -166,6 +160,18 @@ class InProcessSupervisor:
         self.plan, self.epoch = new_plan, epoch
         self.lost -= back
         return True
+
+    def _save_plan(self, new_plan: Plan) -> tuple[int, Path]:
+        """The next epoch and where its plan was written."""
+        epoch = self.epoch + 1
+        plan_path = self.run_dir / f"plan-inprocess-{epoch}.json"
+        new_plan.save(plan_path)
+        return epoch, plan_path
+
+    def _write_rejoin(self, epoch: int, plan_path: Path, new_plan: Plan, ranks: dict[str, int]) -> None:
+        """The re-plan every process reads: its plan, a fresh store hosted by the new rank 0."""
+        store_host = self.address_of(new_plan.devices[0].host)
+        Rejoin(epoch, str(plan_path), store_host, random.randint(30000, 60000), ranks).save(self.control_dir)
 
     def done(self) -> bool:
         """Every process of the current plan finished training (or, when a Rejoin came too

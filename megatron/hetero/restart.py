@@ -168,6 +168,18 @@ class InProcessRestart:
 
     # ----- re-plans ---------------------------------------------------------------------
 
+    def at_boundary(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> Rejoin | None:
+        """After each iteration: the snapshot when one is due; the supervisor's re-plan when
+        one is written (every rank then snapshots this iteration, if it has not, and stops)."""
+        self.after_iteration(iteration, model, optimizer, scheduler, plan)
+        rejoin = self.planned_rejoin()
+        if rejoin is not None:
+            if iteration % self.interval:  # nothing done since the last snapshot may be lost
+                self.snapshot(iteration, model, optimizer, scheduler, plan)
+            print_rank_0(f"> in-process restart: re-planning at iteration {iteration} (epoch "
+                         f"{rejoin.epoch}, {rejoin.world_size} processes)")
+        return rejoin
+
     def planned_rejoin(self) -> Rejoin | None:
         """A re-plan the supervisor wrote while the job runs (a node came back), agreed by
         every rank at this iteration boundary (one scalar all-reduce)."""

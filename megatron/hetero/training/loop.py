@@ -408,13 +408,9 @@ class Trainer:
                 self.schedule = BatchSchedule(adapted, args.rampup_batch_size)
                 train_iterator = train_data(iteration, self.schedule)
             if self.restart is not None:  # --inprocess-restart: a snapshot; a node taken back
-                self.restart.after_iteration(iteration, self.model_chunks, self.optimizer, self.scheduler, self.plan)
-                self.rejoin = self.restart.planned_rejoin()
+                self.rejoin = self.restart.at_boundary(iteration, self.model_chunks, self.optimizer,
+                                                       self.scheduler, self.plan)
                 if self.rejoin is not None:
-                    if iteration % self.restart.interval:  # nothing done since the snapshot is lost
-                        self.restart.snapshot(iteration, self.model_chunks, self.optimizer, self.scheduler, self.plan)
-                    print_rank_0(f"> in-process restart: re-planning at iteration {iteration} (epoch "
-                                 f"{self.rejoin.epoch}, {self.rejoin.world_size} processes)")
                     break
         return iteration, saved
 
