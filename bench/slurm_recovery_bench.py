@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,14 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hetero.events import CheckpointSaved, Iteration, StateRestored, of_kind, read_events  # noqa: E402
+from hetero.events import CheckpointSaved, Iteration, LostRanks, StateRestored, of_kind, read_events  # noqa: E402
+from tools.emulator.slurm_job import GLOBAL_BATCH, cli, heterogeneous_plan, wait  # noqa: E402
 
-PY = sys.executable
-TINY_GPT = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
-            "num_query_groups": 4, "seq_length": 32, "vocab_size": 1024, "swiglu": False,
-            "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
-            "normalization": "LayerNorm", "position_embedding_type": "learned_absolute"}
-GLOBAL_BATCH = 64  # the planner uses every device for it
 KILLED = "node2"  # the second node of component 0 (the A100s): Slurm keeps it in the job
 IN_PROCESS_KILL_AFTER = 5  # iteration logged
 DISK_KILL_AFTER = 4  # checkpoint of at least this iteration written
@@ -61,55 +55,6 @@ def training(iterations: int) -> list[str]:
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--log-interval", "1",
             "--eval-interval", "1000", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--num-workers", "0", "--seed", "1234", "--log-params-norm"]
-
-
-def cli(slurm, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = slurm.env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    done = subprocess.run([PY, "-m", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise SystemExit(f"`python -m {' '.join(argv)}` failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-    return done
-
-
-def heterogeneous_plan(workdir: Path, slurm) -> Path:
-    """discover -> hetero-plan -> the same job by hand (as tests/test_slurm_launch.py): PP=2
-    with stages of 3 and 1 layers, replicas of 18 and 14 micro-batches, logical ranks swapped
-    within each stage; the recorded model, training and cluster kept for the driver's re-plan."""
-    import yaml
-
-    from hetero.jobs import explain
-    from hetero.plan import Plan
-
-    cli(slurm, "hetero", "discover", "--slurm", "--partition", "h100", "--partition", "a100",
-        "--device-map", "a100=A100-80GB", "--nic", "ib:3200", "--inter-group", "ib:3200", "-o", "cluster.yaml",
-        cwd=workdir)
-    (workdir / "tiny_gpt.yaml").write_text(yaml.safe_dump(TINY_GPT))
-    cli(slurm, "hetero", "--cluster", "cluster.yaml", "--model", "tiny_gpt.yaml", "--global-batch-size",
-        str(GLOBAL_BATCH), "--seq-length", "32", "--micro-batch-size", "2", "--precision", "fp32",
-        "--no-fused-kernels", "--no-dropout", "--skip-baseline", "--skip-upper-bound", "--quiet",
-        "-o", "planned.json", cwd=workdir)
-    plan = json.loads((workdir / "planned.json").read_text())
-    hosts = [d["host"] for d in plan["devices"]]
-    if hosts != ["node0", "node0", "node1", "node2"]:
-        raise SystemExit(f"the planner placed the job on {hosts}, not node0 x2, node1, node2")
-    plan.update(pipeline_parallel=2, data_parallel=2, stages=[{"num_layers": 3}, {"num_layers": 1}],
-                replicas=[{"num_micro_batches": 18}, {"num_micro_batches": 14}], rank_order=[1, 0, 3, 2])
-    plan["prediction"] = explain(Plan.from_dict(plan), "the hand-made plan")[0].to_dict()
-    path = workdir / "plan.json"
-    path.write_text(json.dumps(plan, indent=1))
-    return path
-
-
-def wait(what: str, ready, timeout: float, output: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = ready()
-        if found:
-            return found
-        time.sleep(0.2)
-    tail = output.read_text()[-6000:] if output is not None and output.exists() else ""
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}\n{tail}")
 
 
 def one_run(slurm, plan: Path, workdir: Path, mode: str, iterations: int) -> dict:
@@ -153,6 +98,13 @@ def one_run(slurm, plan: Path, workdir: Path, mode: str, iterations: int) -> dic
                 key=lambda e: e.time), 600, output)[0]
             result.update(kill_to_state_restored_s=restored.time - killed_at, restored_from=restored.source,
                           restored_iteration=restored.iteration)
+            # where the time goes: a survivor names the lost peer, the driver re-plans
+            reported = [e.time for e in of_kind(read_events(first), LostRanks) if e.time >= killed_at]
+            if reported:
+                result["kill_to_loss_reported_s"] = min(reported) - killed_at
+            replans = record().get("attempts", [{}])[0].get("replans", [])
+            if replans:
+                result["kill_to_replanned_s"] = replans[0]["time"] - killed_at
         else:
             resumed = wait("the resumed attempt's first iteration", lambda: sorted(
                 of_kind(read_events(run_dir / "attempt-1-events"), Iteration), key=lambda e: e.time), 600, output)[0]

@@ -104,6 +104,34 @@ def test_the_control_directory_protocol(tmp_path):
     assert finished(tmp_path, 1) == {"node-a:0"}
 
 
+def test_a_peer_the_library_error_names_is_lost_after_one_missed_heartbeat(tmp_path):
+    """After a communication error, a peer on another machine counts as lost after 3 s of
+    silence; the peer whose address the error names (its connection is already gone) after
+    1.5 s, one missed heartbeat."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron.hetero import watchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    dog = watchdog.Watchdog(store, 0, Plan.load(_plan(tmp_path)), recover=True, peer_timeout_s=30)
+    error = ("[gloo/transport/tcp/pair.cc:537] Read error [10.77.3.12]:52877: Connection reset by peer. "
+             "This is typically caused by a remote peer crashing")
+    named = set(watchdog._PEER_ADDRESS.findall(error))
+    assert named == {"10.77.3.12"}
+    for rank, address in ((1, "10.77.3.11"), (2, "10.77.3.12"), (3, "10.77.3.13")):
+        dog.store.set(f"where/{rank}", f"node-{rank} {1000 + rank} machine-{rank} {address}")
+        dog.store.set(f"done/{rank}", "0")
+    silent_for = {1: 0.5, 2: 2.0, 3: 2.0}  # rank 2: named, silent past one beat; rank 3: not named
+    for rank, seconds in silent_for.items():
+        dog.store.set(f"alive/{rank}", repr(time.time() - seconds))
+    lost = dog._find_lost([1, 2, 3], silence_s=watchdog.SILENT_AFTER_ERROR_S, named=named)
+    assert [(r.launch_rank, r.host) for r in lost] == [(2, "node-2")], lost
+    assert dog._find_lost([1, 3], silence_s=watchdog.SILENT_AFTER_ERROR_S) == []  # 3 s for the others
+
+
 # ----- on the emulated cluster ------------------------------------------------------------
 
 @pytest.mark.slow

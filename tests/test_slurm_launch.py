@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import (GPT_MODEL, REPO, TRAINING, assert_nothing_left, iteration_figure, processes_mentioning,
                       run_pretrain)
@@ -34,6 +33,7 @@ from hetero.slurm.driver.steps import step_environment
 from hetero.plan import Plan
 from hetero.slurm import text as slurm_text
 from test_slurm import _in_namespaces, _namespace_inodes, _need_root_and_slurm
+from tools.emulator.slurm_job import GLOBAL_BATCH, cli, heterogeneous_plan, wait
 
 PY = sys.executable
 
@@ -278,6 +278,37 @@ def test_no_sbatch_on_path(tmp_path):
     _refused(tmp_path, done, "--submit needs Slurm's sbatch on PATH", "login node", "SLURM_CONF", "--dry-run")
 
 
+def test_driver_json_says_where_each_in_process_re_plan_got_its_state(tmp_path):
+    """The driver records each in-process re-plan's source of state as its ranks report it
+    (StateRestored): from the snapshots in memory, or from the last disk checkpoint when every
+    copy of some snapshot was on the lost nodes - which its log says too."""
+    from types import SimpleNamespace
+
+    from hetero.events import StateRestored, emit
+    from hetero.slurm.driver.attempt import AttemptRecord, SlurmRunner
+
+    said, saves = [], []
+    runner = SlurmRunner(SimpleNamespace(log=said.append, save=lambda: saves.append(1)))
+    record = AttemptRecord(attempt=0, plan="plan.json", nodes=["node0", "node1", "node2"], master="node0",
+                           started=0.0, replans=[{"kind": "lost", "nodes": ["node2"], "epoch": 1},
+                                                 {"kind": "lost", "nodes": ["node0", "node1"], "epoch": 2}])
+    events = tmp_path / "events"
+    runner._note_restored(events, record)  # nothing reported yet
+    assert all("restored" not in r for r in record.replans) and not said and not saves
+    emit(StateRestored(launch_rank=0, epoch=1, iteration=19, source="memory", seconds=0.31), events)
+    runner._note_restored(events, record)
+    assert record.replans[0]["restored"] == {"source": "memory", "iteration": 19, "seconds": 0.31, "detail": ""}
+    assert "restored" not in record.replans[1] and not said and saves == [1]
+    emit(StateRestored(launch_rank=0, epoch=2, iteration=20, source="disk", seconds=1.5,
+                       detail="decoder.layers.1.mlp: held by no surviving rank; loaded /ckpt"), events)
+    runner._note_restored(events, record)
+    runner._note_restored(events, record)  # each re-plan noted once
+    assert record.replans[1]["restored"]["source"] == "disk" and saves == [1, 1]
+    assert said == ["attempt 0: every copy of some snapshot was on lost nodes (node0, node1): the state of "
+                    "iteration 20 came from the last disk checkpoint (decoder.layers.1.mlp: held by no "
+                    "surviving rank; loaded /ckpt)"]
+
+
 def test_flags_that_do_not_go_with_slurm(tmp_path):
     env = _fake_slurm(tmp_path)
     for argv, fragment in ((["--master-addr", "x", "--"], "--master-addr does not go with --slurm"),
@@ -295,12 +326,7 @@ def test_flags_that_do_not_go_with_slurm(tmp_path):
 
 # ----- a real Slurm cluster ----------------------------------------------------------------------
 
-TINY_GPT = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
-            "num_query_groups": 4, "seq_length": 32, "vocab_size": 1024, "swiglu": False,
-            "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
-            "normalization": "LayerNorm", "position_embedding_type": "learned_absolute"}
 ITERATIONS = 30
-GLOBAL_BATCH = 64  # the planner uses every device for it (for 16 it leaves the A100s out)
 
 
 def _training(save: Path | None) -> list[str]:
@@ -345,47 +371,6 @@ def slurm():
     assert not left, "the Slurm cluster left behind:\n" + "\n".join(left)
 
 
-def _cli(slurm, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([PY, "-m", *argv], cwd=cwd, env=slurm.env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
-
-
-def _heterogeneous_plan(tmp_path: Path, slurm) -> Path:
-    """discover -> hetero-plan -> the same job by hand: PP=2 with stages of 3 and 1 layers,
-    replicas of 18 and 14 micro-batches, logical ranks swapped within each stage. The
-    recorded model, training and cluster stay, so that the driver can plan the job again."""
-    _cli(slurm, "hetero", "discover", "--slurm", "--partition", "h100", "--partition", "a100",
-         "--device-map", "a100=A100-80GB", "--nic", "ib:3200", "--inter-group", "ib:3200", "-o", "cluster.yaml",
-         cwd=tmp_path)
-    (tmp_path / "tiny_gpt.yaml").write_text(yaml.safe_dump(TINY_GPT))
-    _cli(slurm, "hetero", "--cluster", "cluster.yaml", "--model", "tiny_gpt.yaml", "--global-batch-size",
-         str(GLOBAL_BATCH), "--seq-length", "32", "--micro-batch-size", "2", "--precision", "fp32",
-         "--no-fused-kernels", "--no-dropout", "--skip-baseline", "--skip-upper-bound", "--quiet",
-         "-o", "planned.json", cwd=tmp_path)
-    from hetero.jobs import explain
-
-    plan = json.loads((tmp_path / "planned.json").read_text())
-    assert [d["host"] for d in plan["devices"]] == ["node0", "node0", "node1", "node2"]
-    plan.update(pipeline_parallel=2, data_parallel=2, stages=[{"num_layers": 3}, {"num_layers": 1}],
-                replicas=[{"num_micro_batches": 18}, {"num_micro_batches": 14}], rank_order=[1, 0, 3, 2])
-    plan["prediction"] = explain(Plan.from_dict(plan), "the hand-made plan")[0].to_dict()
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan, indent=1))
-    return path
-
-
-def _wait(what: str, ready, timeout: float, output: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = ready()
-        if found:
-            return found
-        time.sleep(0.2)
-    tail = output.read_text()[-6000:] if output is not None and output.exists() else ""
-    pytest.fail(f"timed out waiting for {what}\n{tail}", pytrace=False)
-
-
 def _rank_environments(slurm, node: str) -> list[dict[str, str]]:
     """The environment of each pretrain_gpt.py rank running on the node (its namespace)."""
     pids = subprocess.run(["ip", "netns", "pids", slurm.namespace(node)], capture_output=True,
@@ -410,11 +395,11 @@ def _by_iteration(events, name: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_path):
-    plan = _heterogeneous_plan(tmp_path, slurm)
+    plan = heterogeneous_plan(tmp_path, slurm)
     run_dir = tmp_path / "run"
     train = _training(tmp_path / "ckpt")
     submitted_at = time.time()
-    done = _cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
+    done = cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
                 "--run-dir", str(run_dir), "--poll-s", "2", "--env", "GLOO_SOCKET_IFNAME=eth0", "--env", "OMP_NUM_THREADS=1",
                 "--env", "ib:NCCL_IB_HCA=mlx5_0", "--env", "A100-80GB:NCCL_SOCKET_IFNAME=eth0", "--", *train,
                 cwd=REPO)
@@ -426,7 +411,7 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
         return json.loads(record_path.read_text()) if record_path.exists() else {}
 
     # Attempt 0 trains on all three nodes; each node's ranks got their own environment.
-    _wait("the first iteration", lambda: of_kind(read_events(run_dir / "attempt-0-events"), Iteration), 120, output)
+    wait("the first iteration", lambda: of_kind(read_events(run_dir / "attempt-0-events"), Iteration), 120, output)
     first_iteration_at = time.time()
     for node, devices, visible in (("node0", "H100-80GB,H100-80GB", "0,1"), ("node1", "A100-80GB", "0")):
         ranks = _rank_environments(slurm, node)
@@ -440,11 +425,11 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
     # A crashed node: node2's slurmd and everything in its namespace, after a checkpoint.
     # node2 is the second node of component 0 (the A100s: the class with most nodes comes
     # first), which Slurm cannot resize: it stays in the job, unused.
-    _wait("a checkpoint", lambda: any(e.iteration >= 4 for e in of_kind(read_events(run_dir / "attempt-0-events"),
+    wait("a checkpoint", lambda: any(e.iteration >= 4 for e in of_kind(read_events(run_dir / "attempt-0-events"),
                                                                          CheckpointSaved)), 120, output)
     slurm.kill_node("node2")
     killed_at = time.time()
-    _wait("the resumed attempt's first iteration",
+    wait("the resumed attempt's first iteration",
           lambda: of_kind(read_events(run_dir / "attempt-1-events"), Iteration), 120, output)
     attempts = record()["attempts"]
     assert attempts[0]["outcome"] == "failed" and attempts[0]["lost"] == ["node2"], attempts
@@ -453,7 +438,7 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
     # takes it in at the next checkpoint.
     slurm.restart_node("node2", wait=False)
     restarted_at = time.time()
-    final = _wait("the job to end", lambda: record().get("outcome") and record(), 240, output)
+    final = wait("the job to end", lambda: record().get("outcome") and record(), 240, output)
     text = output.read_text()
     assert final["outcome"] == "finished", text[-6000:]
     slurm.wait_idle(timeout=30)  # the second allocation released too
@@ -522,22 +507,22 @@ def test_a_slurm_job_trains_loses_a_node_resumes_and_takes_it_back(slurm, tmp_pa
 def test_one_job_loses_a_node_a_heterogeneous_one_cannot_and_the_driver_gives_up(slurm, tmp_path):
     # node1 is the first node of the A100 component: Slurm refuses to take it out of a
     # heterogeneous job. In one job (--layout single: every node runs one rank here) it can.
-    _heterogeneous_plan(tmp_path, slurm)
+    heterogeneous_plan(tmp_path, slurm)
     plan = json.loads((tmp_path / "planned.json").read_text())
     plan.update(data_parallel=3, devices=plan["devices"][1:], rank_order=[2, 0, 1],
                 replicas=[{"num_micro_batches": n} for n in (12, 10, 10)])
     (tmp_path / "alike.json").write_text(json.dumps(plan))
     run_dir = tmp_path / "run"
-    done = _cli(slurm, "hetero.launch", "--slurm", str(tmp_path / "alike.json"), "--submit", "--emulate-devices",
+    done = cli(slurm, "hetero.launch", "--slurm", str(tmp_path / "alike.json"), "--submit", "--emulate-devices",
                 "--layout", "single", "--max-restarts", "0", "--run-dir", str(run_dir),
                 "--env", "GLOO_SOCKET_IFNAME=eth0",
                 "--env", "OMP_NUM_THREADS=1", "--", *_training(tmp_path / "ckpt"), cwd=REPO)
     output = run_dir / f"slurm-{done.stdout.split('submitted job ')[1].split()[0]}.out"
-    _wait("the first iteration", lambda: of_kind(read_events(run_dir / "attempt-0-events"), Iteration), 120, output)
+    wait("the first iteration", lambda: of_kind(read_events(run_dir / "attempt-0-events"), Iteration), 120, output)
     slurm.kill_node("node1")
     killed_at = time.time()
     record = run_dir / "driver.json"
-    final = _wait("the driver to give up", lambda: json.loads(record.read_text()).get("outcome") and
+    final = wait("the driver to give up", lambda: json.loads(record.read_text()).get("outcome") and
                   json.loads(record.read_text()), 120, output)
     print(f"  kill -> the driver gave up {final['ended'] - killed_at:6.1f} s")
     assert final["outcome"] == "failed" and final["exit_code"] != 0, final
@@ -545,7 +530,7 @@ def test_one_job_loses_a_node_a_heterogeneous_one_cannot_and_the_driver_gives_up
     assert f"hetero-slurm: {final['reason']}" in output.read_text()
     assert f"took node1 out of the allocation (job {final['job_id']} keeps node0, node2)" in output.read_text()
     assert [c["nodes"] for c in final["components"]] == [["node1", "node2"], ["node0"]]
-    _wait("the job to end", lambda: subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True,
+    wait("the job to end", lambda: subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True,
                                                    text=True).stdout == "", 30, output)
     assert_nothing_left(str(tmp_path))
     slurm.restart_node("node1")
@@ -567,7 +552,7 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
     from hetero.launch.inprocess import ready
 
     slurm.wait_idle(timeout=60)
-    plan = _heterogeneous_plan(tmp_path, slurm)
+    plan = heterogeneous_plan(tmp_path, slurm)
     run_dir = tmp_path / "run"
     iterations = 200  # long enough for two returned nodes' processes to start while the job trains
     base = _training(None) + ["--use-distributed-optimizer"]
@@ -575,7 +560,7 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
     train = base + ["--inprocess-restart", "--non-persistent-save-interval", "1",  # a snapshot every iteration
                     "--save", str(tmp_path / "ckpt"), "--save-interval", "20"]
     # A fault drill: every rank pauses inside each checkpoint write, after writing its files.
-    done = _cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
+    done = cli(slurm, "hetero.launch", "--slurm", str(plan), "--submit", "--emulate-devices",
                 "--run-dir", str(run_dir), "--poll-s", "2", "--env", "GLOO_SOCKET_IFNAME=eth0",
                 "--env", "OMP_NUM_THREADS=1", "--env", "HETERO_FAULT_SAVE_PAUSE_S=3", "--", *train, cwd=REPO)
     output = run_dir / f"slurm-{done.stdout.split('submitted job ')[1].split()[0]}.out"
@@ -591,23 +576,23 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
     def lose_and_take_back(node: str, epoch: int) -> tuple[float, float]:
         slurm.kill_node(node)
         killed_at = time.time()
-        restored = _wait(f"{node}'s loss recovered", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
+        restored = wait(f"{node}'s loss recovered", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
                                                              if r.epoch == epoch], 120, output)[0]
-        resumed = _wait("the first iteration after the re-plan", lambda: [
+        resumed = wait("the first iteration after the re-plan", lambda: [
             e for e in of_kind(read_events(events_dir), Iteration) if e.time > restored.time], 60, output)[0]
         slurm.restart_node(node, wait=False)
-        _wait(f"{node} taken back", lambda: replans() >= epoch + 1, 180, output)
+        wait(f"{node} taken back", lambda: replans() >= epoch + 1, 180, output)
         return resumed.time - killed_at, restored.iteration
 
-    _wait("the checkpoint write of iteration 20", lambda: output.exists() and
+    wait("the checkpoint write of iteration 20", lambda: output.exists() and
           f"saving checkpoint at iteration {20:7d}" in output.read_text(), 240, output)
     first_s, first_restored = lose_and_take_back("node0", epoch=1)
-    joined = _wait("node0's processes training", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
+    joined = wait("node0's processes training", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
                                                          if r.epoch == 2], 120, output)[0]
-    _wait("a few iterations with node0", lambda: any(e.iteration >= joined.iteration + 3 for e in
+    wait("a few iterations with node0", lambda: any(e.iteration >= joined.iteration + 3 for e in
                                                      of_kind(read_events(events_dir), Iteration)), 120, output)
     second_s, second_restored = lose_and_take_back("node2", epoch=3)
-    final = _wait("the job to end", lambda: record().get("outcome") and record(), 600, output)
+    final = wait("the job to end", lambda: record().get("outcome") and record(), 600, output)
     text = output.read_text()
     assert final["outcome"] == "finished", text[-6000:]
     slurm.wait_idle(timeout=30)
@@ -621,6 +606,8 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
     assert not of_kind(events, CheckpointLoaded), "no checkpoint file may be read"
     restores = of_kind(events, StateRestored)
     assert [(r.epoch, r.source) for r in restores] == [(e, "memory") for e in (1, 2, 3, 4)], restores
+    assert [(r["epoch"], r["restored"]["source"], r["restored"]["iteration"]) for r in attempt["replans"]] == [
+        (r.epoch, "memory", r.iteration) for r in restores]  # where each re-plan's state came from
     # Lost in the write of iteration 20: from the snapshot of 19, and that write never published.
     assert first_restored == 19 and "free space or fix permissions" not in text
     saves = [e for e in of_kind(events, CheckpointSaved)]

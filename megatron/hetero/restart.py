@@ -188,10 +188,13 @@ class InProcessRestart:
         dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # every rank must see it: a file may lag
         return rejoin if seen.item() else None
 
-    def after_loss(self, plan: Plan, launch_rank: int, where: str, timeout_s: float) -> Rejoin:
-        """A node was lost: say where this process stands, wait for the supervisor's re-plan."""
+    def after_loss(self, plan: Plan, launch_rank: int, where: str, timeout_s: float,
+                   named_peers: set[str] = frozenset()) -> Rejoin:
+        """A node was lost: say where this process stands (and the peer addresses its
+        library's error named), wait for the supervisor's re-plan."""
         newest = self.store.newest
-        report_ready(self.control_dir, self.epoch + 1, where, {"snapshot_iteration": newest})
+        report_ready(self.control_dir, self.epoch + 1, where,
+                     {"snapshot_iteration": newest, "named_peers": sorted(named_peers)})
         print(f"[{where}] in-process restart: a node of the job was lost; waiting for the job's re-plan "
               f"(epoch {self.epoch + 1}), newest snapshot of iteration {newest}", flush=True)
         return wait_for_rejoin(self.control_dir, self.epoch + 1, timeout_s)

@@ -24,6 +24,7 @@ collective timed out after --distributed-timeout-minutes).
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import socket
@@ -48,6 +49,11 @@ HEARTBEAT_S = 1.0
 # gone, and its node need not be waited for until --inprocess-heartbeat-timeout (on another
 # machine its pid cannot be looked up).
 SILENT_AFTER_ERROR_S = 3 * HEARTBEAT_S
+# ...and a peer the library's error names (its address: "Read error [10.0.0.2]:4321:
+# Connection reset by peer") is lost once it missed one beat: its connection is already gone,
+# and a survivor that closes its connections to re-plan publishes that first.
+NAMED_SILENT_AFTER_ERROR_S = 1.5 * HEARTBEAT_S
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
 EXIT_CODE = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -81,6 +87,9 @@ class Watchdog:
         self.launcher_pid = os.getppid() if env.under_torchrun_agent() else None
         self._exit_received = False
         self._lost: dict[int, str] = {}  # launch rank -> how it was first found lost
+        # The peer addresses the communication library's error named (handle): a hint for the
+        # job's supervisor when no lost rank could be found (the store's host is gone).
+        self.named_peers: set[str] = set()
         self._stop = threading.Event()
         self._handling = threading.Lock()
         self._wakeup: socket.socket | None = None
@@ -88,7 +97,7 @@ class Watchdog:
     # ----- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> "Watchdog":
-        self.store.set(f"where/{self.launch_rank}", f"{self.host} {os.getpid()} {self.machine}")
+        self.store.set(f"where/{self.launch_rank}", f"{self.host} {os.getpid()} {self.machine} {_own_address()}")
         self.store.set(f"done/{self.launch_rank}", "0")
         self._beat()
         if threading.current_thread() is threading.main_thread():
@@ -232,10 +241,12 @@ class Watchdog:
 
     # ----- reporting (either thread) ------------------------------------------------------------
 
-    def handle(self, cause: str, signum: signal.Signals | None = None) -> None:
+    def handle(self, cause: str, signum: signal.Signals | None = None, error_text: str = "") -> None:
         """Reports lost ranks and ends the process; returns only if none is lost (and no
         signal stops the job), so that the caller can raise its own error. Whichever
-        thread comes first reports; the other waits for the exit."""
+        thread comes first reports; the other waits for the exit. error_text: the
+        communication library's whole message, whose peer addresses are suspected first."""
+        self.named_peers |= set(_PEER_ADDRESS.findall(error_text))
         if not self._handling.acquire(blocking=False):
             if not self.recover:
                 while True:  # the other thread reports and ends the process
@@ -250,7 +261,8 @@ class Watchdog:
             self._handling.release()
             return
         if self.recover and signum is None:  # a library error: wait for the lost peer to fall silent
-            lost = self._settle(self.peer_timeout_s + 2 * HEARTBEAT_S, silence_s=SILENT_AFTER_ERROR_S)
+            lost = self._settle(self.peer_timeout_s + 2 * HEARTBEAT_S, silence_s=SILENT_AFTER_ERROR_S,
+                                named=self.named_peers)
             if not lost and self._recovery_under_way():
                 self.recovering = True
                 self._handling.release()
@@ -288,17 +300,19 @@ class Watchdog:
             os._exit(128 + signum if signum is not None else EXIT_CODE)
         self._handling.release()
 
-    def _settle(self, settle_s: float = 2.0, silence_s: float | None = None) -> list[LostRank]:
+    def _settle(self, settle_s: float = 2.0, silence_s: float | None = None,
+                named: set[str] = frozenset()) -> list[LostRank]:
         """Every lost rank; waits up to settle_s for the launcher to reap dead processes (and,
-        with silence_s, for a peer to be silent that long). In recover mode it stops waiting
-        when another survivor has published the recovery."""
+        with silence_s, for a peer to be silent that long; NAMED_SILENT_AFTER_ERROR_S for one
+        at a named address). In recover mode it stops waiting when another survivor has
+        published the recovery."""
         deadline = time.monotonic() + settle_s
         everyone = [r for r in range(self.plan.world_size) if r != self.launch_rank]
         while True:
             try:
                 if silence_s is not None:
                     self._beat()  # the watching thread is stopped: a survivor settling is no silent peer
-                lost = self._find_lost(everyone, silence_s)
+                lost = self._find_lost(everyone, silence_s, named)
             except Exception:
                 lost = []
             if lost or time.monotonic() >= deadline:
@@ -307,7 +321,8 @@ class Watchdog:
                 return lost
             time.sleep(0.2)
 
-    def _find_lost(self, ranks: list[int], silence_s: float | None = None) -> list[LostRank]:
+    def _find_lost(self, ranks: list[int], silence_s: float | None = None,
+                   named: set[str] = frozenset()) -> list[LostRank]:
         if not ranks:
             return []
         self.store.set_timeout(timedelta(seconds=5))
@@ -317,10 +332,13 @@ class Watchdog:
         for r in ranks:
             if values[f"done/{r}"] != b"0":  # finished, or stopped on a failure it reported
                 continue
-            host, pid, machine = values[f"where/{r}"].decode().split()
+            host, pid, machine, address = values[f"where/{r}"].decode().split()
             age = now - float(values[f"alive/{r}"].decode())
             gone = machine == self.machine and not _process_exists(int(pid))
-            if r in self._lost or gone or age > min(self.peer_timeout_s, silence_s or self.peer_timeout_s):
+            silent_s = min(self.peer_timeout_s, silence_s or self.peer_timeout_s)
+            if silence_s is not None and address in named and machine != self.machine:
+                silent_s = min(silent_s, NAMED_SILENT_AFTER_ERROR_S)
+            if r in self._lost or gone or age > silent_s:
                 suspects.append((r, host, int(pid), machine, age, gone))
         # A rank that stops on its own marks itself done, then exits: read the marks again
         # after seeing a process gone, or one that marked in between (on a loaded machine)
@@ -355,6 +373,19 @@ def neighbours(plan: Plan, launch_rank: int) -> list[int]:
     data = plan.grid.data_group(me.tp_rank, me.pp_rank, me.cp_rank, me.template)
     logical.update(data[(me.local_dp_rank + step) % len(data)] for step in (-1, 1))
     return sorted(plan.launch_rank(r) for r in logical if plan.launch_rank(r) != launch_rank)
+
+
+def _own_address() -> str:
+    """The address this host reaches the rendezvous store from: what a peer's connection
+    error names (one interface per node: the emulator's and Slurm's namespaces, most clusters'
+    data NIC); "-" when unknown."""
+    master = os.environ.get("MASTER_ADDR", "")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))  # no packet is sent: only the route is looked up
+            return probe.getsockname()[0]
+    except OSError:
+        return "-"
 
 
 def _kill_frozen(pid: int) -> str:

@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero.events import CheckpointLoaded, CheckpointSaved, Iteration, LostRanks, of_kind, read_events
+from hetero.events import (CheckpointLoaded, CheckpointSaved, Iteration, LostRanks, StateRestored, of_kind,
+                           read_events)
 from hetero.launch.commands import NodeCommand, node_commands
 from hetero.launch.elastic import AttemptResult, lost_hosts
 from hetero.launch.inprocess import CONTROL_DIR, REJOIN, ready
@@ -50,7 +51,9 @@ class AttemptRecord:
     first_iteration_time: float | None = None
     checkpoint_loaded: int | None = None
     last_iteration: int | None = None
-    # In-process re-plans inside this attempt: {"time", "kind": "lost"|"returned", "nodes", "plan"}
+    # In-process re-plans inside this attempt: {"time", "kind": "lost"|"returned", "nodes", "plan",
+    # "epoch", and once the ranks report it "restored": where the state came from - "memory"
+    # (the snapshots), "disk" (every copy of some shard was lost: the last checkpoint) or "none"}
     replans: list[dict] = field(default_factory=list)
 
 
@@ -216,15 +219,19 @@ class SlurmRunner:
                     plan = self.supervisor.plan
                 elif self._readmit_now(plan, events_dir):
                     return "readmit"
+            if self.supervisor is not None:
+                self._note_restored(events_dir, record)
             time.sleep(0.2)
 
     def _silent_while_others_wait(self, probed: set[str]) -> set[str]:
-        """When survivors wait for a re-plan but none named a lost peer (the rendezvous
+        """When survivors wait for a re-plan but none named a lost rank (the rendezvous
         store's host is gone, and with it what they read heartbeats from): after QUIET_S,
-        the hosts none of whose processes wait and whose node runs no probe step."""
+        the hosts none of whose processes wait and whose address the survivors' library
+        errors name (their connections to it were reset); else those whose node runs no
+        probe step (a probe of a dead node takes up to PROBE_TIMEOUT_S)."""
         supervisor = self.supervisor
-        waiting = {r["place"].rsplit(":", 1)[0] for r in ready(supervisor.control_dir, supervisor.epoch + 1)
-                   if not r.get("joining")}
+        reports = [r for r in ready(supervisor.control_dir, supervisor.epoch + 1) if not r.get("joining")]
+        waiting = {r["place"].rsplit(":", 1)[0] for r in reports}
         if not waiting:
             self.first_waiting = None
             return set()
@@ -232,6 +239,10 @@ class SlurmRunner:
         if time.monotonic() - self.first_waiting < QUIET_S:
             return set()
         candidates = {h for h, _ in supervisor.plan.hosts()} - waiting - probed - self.handed_over
+        named = {address for r in reports for address in r.get("named_peers", [])}
+        reset = {h for h in candidates if self.driver.address(h) in named}
+        if reset:
+            return reset
         probed |= candidates
         return self.driver.silent_nodes(sorted(candidates)) if candidates else set()
 
@@ -246,11 +257,35 @@ class SlurmRunner:
         self.replanned_at = time.time()
         self.first_waiting = None
         self.handed_over |= lost
-        record.replans.append({"time": self.replanned_at, "kind": "lost", "nodes": sorted(lost),
-                               "plan": str(self.supervisor.run_dir / f"plan-inprocess-{self.supervisor.epoch}.json")})
+        record.replans.append(self._replan_entry("lost", sorted(lost)))
         driver.remove_nodes(lost)
         driver.save()
         return True
+
+    def _replan_entry(self, kind: str, nodes: list[str]) -> dict:
+        epoch = self.supervisor.epoch
+        return {"time": self.replanned_at, "kind": kind, "nodes": nodes, "epoch": epoch,
+                "plan": str(self.supervisor.run_dir / f"plan-inprocess-{epoch}.json")}
+
+    def _note_restored(self, events_dir: Path, record: AttemptRecord) -> None:
+        """Where each re-plan's state came from, once its ranks report it (StateRestored), into
+        driver.json; a fall-back to the disk checkpoint said in the driver's log too."""
+        pending = {r["epoch"]: r for r in record.replans if "restored" not in r}
+        if not pending:
+            return
+        for restored in of_kind(read_events(events_dir), StateRestored):
+            replan = pending.pop(restored.epoch, None)
+            if replan is None:
+                continue
+            replan["restored"] = {"source": restored.source, "iteration": restored.iteration,
+                                  "seconds": round(restored.seconds, 3), "detail": restored.detail}
+            if restored.source != "memory":
+                self.driver.log(f"attempt {record.attempt}: every copy of some snapshot was on lost nodes "
+                                f"({', '.join(replan['nodes'])}): " + (
+                                    f"the state of iteration {restored.iteration} came from the last disk "
+                                    f"checkpoint ({restored.detail})" if restored.source == "disk" else
+                                    f"no disk checkpoint either, training starts over ({restored.detail})"))
+            self.driver.save()
 
     def _admit_in_process(self, plan: Plan, events_dir: Path, record: AttemptRecord) -> None:
         """A returned node worth taking, taken into the running job at an iteration boundary."""
@@ -262,8 +297,7 @@ class SlurmRunner:
             self.replanned_at = time.time()
             for node in readmission.nodes:
                 driver.lost.pop(node, None)
-            record.replans.append({"time": self.replanned_at, "kind": "returned", "nodes": list(readmission.nodes),
-                                   "plan": str(self.supervisor.run_dir / f"plan-inprocess-{self.supervisor.epoch}.json")})
+            record.replans.append(self._replan_entry("returned", list(readmission.nodes)))
             driver.save()
         else:
             driver.declined |= set(readmission.nodes)
@@ -292,6 +326,7 @@ class SlurmRunner:
                 dead |= silent
                 result = AttemptResult(returncode, dead, list(lines), events)
         if self.supervisor is not None:
+            self._note_restored(events_dir, record)
             plan = self.supervisor.plan
             result.events = [e for e in events if e.time >= self.replanned_at]  # of the current plan
         lost = sorted(lost_hosts(result, plan)) if outcome == "failed" else []

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
             raise
         except RuntimeError as err:  # gloo/NCCL errors; a lost peer ends the process in handle()
             if launch.world_size > 1:
-                watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+                watchdog.handle(f"{type(err).__name__}: {str(err).splitlines()[0][:120]}", error_text=str(err))
             if restart is None or not watchdog.recovering:
                 raise  # no process was lost: keep the real error and its traceback
             outcome = Outcome(lost=True)
@@ -102,7 +102,8 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
             finalize_pending_saves()  # (after a loss a save in flight cannot finish: it stays incomplete)
         teardown()  # closes this rank's connections: peers still waiting on it fail and follow
         rejoin = outcome.rejoin or restart.after_loss(plan, launch.rank, where,
-                                                      timeout_s=args.inprocess_barrier_timeout)
+                                                      timeout_s=args.inprocess_barrier_timeout,
+                                                      named_peers=watchdog.named_peers)
         restart.epoch = rejoin.epoch
         variables = launch_environment(rejoin, where)
         if variables is None:
