@@ -207,13 +207,15 @@ def _time_optimizer_step(args, probes: list[_Probe], repeats: int) -> dict[str, 
     pretrain_gpt.py builds it: copy the gradients to the main ones, the gradient norm - its
     all-reduce over every rank, as the distributed optimizer's spans the job - clip, Adam
     tensor by tensor, copy back). Every rank of the profile steps at once, right after a
-    micro-batch's forward and backward and a barrier (the gradient reduction meets the ranks
-    there). The step is the non-distributed optimizer's over the whole model: the
-    distributed optimizer does the same work on the rank's 1/DP share and all-gathers the
-    result, which the predictor prices as communication.
+    micro-batch's forward and backward, a barrier (the gradient reduction meets the ranks
+    there) and a moment of compute (network.py's BUSY_BEFORE_SEND_S). The step is the
+    non-distributed optimizer's over the whole model: the distributed optimizer does the
+    same work on the rank's 1/DP share and all-gathers the result, which the predictor
+    prices as communication.
 
     Returns a line through the medians against the rank's parameters: seconds per parameter
     and fixed seconds (the step's own work beyond its parameters and the collectives)."""
+    from megatron.hetero.profiling.network import BUSY_BEFORE_SEND_S, keep_busy
     from megatron.hetero.training import build_optimizer
 
     world = dist.group.WORLD
@@ -233,6 +235,9 @@ def _time_optimizer_step(args, probes: list[_Probe], repeats: int) -> dict[str, 
             probe, optimizer = probes[i], optimizers[i]
             probe.step(timed=False, keep_gradients=True)
             dist.barrier(group=world)
+            # As the step meets a rank in training: right after its own work, not idle after
+            # a barrier (under a CPU quota its first message then waits for the next period).
+            keep_busy(BUSY_BEFORE_SEND_S)
             _sync()
             start = time.perf_counter()
             for _ in range(2):  # the token count (finalize_model_grads) and the loss (the loop)

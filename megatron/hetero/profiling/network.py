@@ -40,7 +40,7 @@ from hetero.spec.profiles import LinkProfile
 BUSY_BEFORE_SEND_S = 0.02
 
 
-def _compute_for(seconds: float) -> None:
+def keep_busy(seconds: float) -> None:
     """Keep this rank's processor busy, as a stage's forward or backward does."""
     work = torch.ones(128, 128)
     end = time.perf_counter() + seconds
@@ -55,7 +55,7 @@ def _latency(peer: int, tensor: torch.Tensor, rounds: int) -> float:
     inbox = torch.empty_like(tensor)
     times = []
     for _ in range(rounds + 1):  # one warm-up round
-        _compute_for(BUSY_BEFORE_SEND_S)
+        keep_busy(BUSY_BEFORE_SEND_S)
         start = time.perf_counter()
         for work in (dist.isend(tensor, peer), dist.irecv(inbox, peer)):
             work.wait()
@@ -87,7 +87,7 @@ def _allreduce_times(sizes_mib: list[float], rounds: int) -> dict[float, float]:
     for repeat in range(rounds + 1):  # one warm-up round
         for mib in sizes_mib if repeat % 2 == 0 else reversed(sizes_mib):
             dist.barrier()
-            _compute_for(BUSY_BEFORE_SEND_S)
+            keep_busy(BUSY_BEFORE_SEND_S)
             start = time.perf_counter()
             dist.all_reduce(tensors[mib])
             if repeat:
