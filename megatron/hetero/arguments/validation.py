@@ -16,7 +16,11 @@ from megatron.hetero.arguments.vocabulary import tensor_parallel_sizes
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
-    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is None]
+    # core_v0.19's --step-batch-size-schedule sets the batch instead (Megatron-LM then needs
+    # no --global-batch-size); the schedule itself is refused by name, not as a missing flag.
+    given_elsewhere = {"global_batch_size"} if "--step-batch-size-schedule" in getattr(
+        args, "megatron_flags_named", ()) else set()
+    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is None and n not in given_elsewhere]
     if missing:
         raise HeteroError(f"missing required flag(s): {', '.join(missing)}")
 

@@ -189,7 +189,11 @@ def _rule(given: list[tuple[str, Ruling, Any]]) -> Verdict:
 def judge(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: Sequence[str]) -> None:
     """Rules on the flags ``parser.parse_known_args`` left: raises one HeteroError naming
     every refused and unknown flag; else sets ``args.noop_flags`` for the start-up log."""
-    verdict = _rule(vars(args).pop(GIVEN, []))
+    given = vars(args).pop(GIVEN, [])
+    # By name, for the checks after this one: a refused flag may stand in for a required one
+    # (arguments/validation.py), which is then not reported missing as well.
+    args.megatron_flags_named = [option for option, _, _ in given]
+    verdict = _rule(given)
     verdict.refused += refused_values(parser, args)
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown_lines = unknown_flag_messages(unknown, known) if unknown else []
