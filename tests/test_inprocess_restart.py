@@ -127,8 +127,10 @@ def test_a_peer_the_library_error_names_is_lost_after_one_missed_heartbeat(tmp_p
     silent_for = {1: 0.5, 2: 2.0, 3: 2.0}  # rank 2: named, silent past one beat; rank 3: not named
     for rank, seconds in silent_for.items():
         dog.store.set(f"alive/{rank}", repr(time.time() - seconds))
-    lost = dog._find_lost([1, 2, 3], silence_s=watchdog.SILENT_AFTER_ERROR_S, named=named)
+    dog.named_peers = named  # as handle() records them from the error
+    lost = dog._find_lost([1, 2, 3], silence_s=watchdog.SILENT_AFTER_ERROR_S)
     assert [(r.launch_rank, r.host) for r in lost] == [(2, "node-2")], lost
+    dog.named_peers = set()
     assert dog._find_lost([1, 3], silence_s=watchdog.SILENT_AFTER_ERROR_S) == []  # 3 s for the others
 
 

@@ -261,8 +261,7 @@ class Watchdog:
             self._handling.release()
             return
         if self.recover and signum is None:  # a library error: wait for the lost peer to fall silent
-            lost = self._settle(self.peer_timeout_s + 2 * HEARTBEAT_S, silence_s=SILENT_AFTER_ERROR_S,
-                                named=self.named_peers)
+            lost = self._settle(self.peer_timeout_s + 2 * HEARTBEAT_S, silence_s=SILENT_AFTER_ERROR_S)
             if not lost and self._recovery_under_way():
                 self.recovering = True
                 self._handling.release()
@@ -300,19 +299,18 @@ class Watchdog:
             os._exit(128 + signum if signum is not None else EXIT_CODE)
         self._handling.release()
 
-    def _settle(self, settle_s: float = 2.0, silence_s: float | None = None,
-                named: set[str] = frozenset()) -> list[LostRank]:
+    def _settle(self, settle_s: float = 2.0, silence_s: float | None = None) -> list[LostRank]:
         """Every lost rank; waits up to settle_s for the launcher to reap dead processes (and,
         with silence_s, for a peer to be silent that long; NAMED_SILENT_AFTER_ERROR_S for one
-        at a named address). In recover mode it stops waiting when another survivor has
-        published the recovery."""
+        at an address in named_peers). In recover mode it stops waiting when another survivor
+        has published the recovery."""
         deadline = time.monotonic() + settle_s
         everyone = [r for r in range(self.plan.world_size) if r != self.launch_rank]
         while True:
             try:
                 if silence_s is not None:
                     self._beat()  # the watching thread is stopped: a survivor settling is no silent peer
-                lost = self._find_lost(everyone, silence_s, named)
+                lost = self._find_lost(everyone, silence_s)
             except Exception:
                 lost = []
             if lost or time.monotonic() >= deadline:
@@ -321,8 +319,7 @@ class Watchdog:
                 return lost
             time.sleep(0.2)
 
-    def _find_lost(self, ranks: list[int], silence_s: float | None = None,
-                   named: set[str] = frozenset()) -> list[LostRank]:
+    def _find_lost(self, ranks: list[int], silence_s: float | None = None) -> list[LostRank]:
         if not ranks:
             return []
         self.store.set_timeout(timedelta(seconds=5))
@@ -336,7 +333,7 @@ class Watchdog:
             age = now - float(values[f"alive/{r}"].decode())
             gone = machine == self.machine and not _process_exists(int(pid))
             silent_s = min(self.peer_timeout_s, silence_s or self.peer_timeout_s)
-            if silence_s is not None and address in named and machine != self.machine:
+            if silence_s is not None and address in self.named_peers and machine != self.machine:
                 silent_s = min(silent_s, NAMED_SILENT_AFTER_ERROR_S)
             if r in self._lost or gone or age > silent_s:
                 suspects.append((r, host, int(pid), machine, age, gone))
