@@ -71,13 +71,14 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
          "--use-distributed-optimizer"]
 
 
-def plan(workdir: Path) -> Path:
+def plan(workdir: Path, cluster: Path = CLUSTER, name: str = "plan.json") -> Path:
+    """hetero-plan's plan of MODEL (global batch 16, micro-batch 2, fp32) for the cluster."""
     import yaml
 
     model = workdir / "model.yaml"
     model.write_text(yaml.safe_dump(MODEL))
-    path = workdir / "plan.json"
-    subprocess.run([sys.executable, "-m", "hetero.cli", "--cluster", str(CLUSTER), "--model", str(model),
+    path = workdir / name
+    subprocess.run([sys.executable, "-m", "hetero.cli", "--cluster", str(cluster), "--model", str(model),
                     "--global-batch-size", "16", "--seq-length", "64", "--micro-batch-size", "2",
                     "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "--skip-baseline",
                     "--skip-upper-bound", "--quiet", "-o", str(path)], cwd=REPO, check=True)
@@ -240,13 +241,7 @@ def four_node_plan(workdir: Path) -> tuple[Path, Path]:
 
     cluster = workdir / "four.yaml"
     cluster.write_text(yaml.safe_dump(FOUR_NODES))
-    model = workdir / "model.yaml"
-    model.write_text(yaml.safe_dump(MODEL))
-    path = workdir / "plan-four.json"
-    subprocess.run([sys.executable, "-m", "hetero.cli", "--cluster", str(cluster), "--model", str(model),
-                    "--global-batch-size", "16", "--seq-length", "64", "--micro-batch-size", "2",
-                    "--precision", "fp32", "--no-fused-kernels", "--no-dropout", "--skip-baseline",
-                    "--skip-upper-bound", "--quiet", "-o", str(path)], cwd=REPO, check=True)
+    path = plan(workdir, cluster, "plan-four.json")
     hosts = sorted({host for host, _ in Plan.load(path).hosts()})
     want = sorted(node["host"] for node in FOUR_NODES["groups"][0]["nodes"])
     if hosts != want:
