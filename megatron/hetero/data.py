@@ -69,7 +69,13 @@ def check_tokenizer(args: argparse.Namespace) -> None:
             raise HeteroError(f"{flag} {path}: no such file")
 
 
-def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str):
+def _hf_use_fast(args: argparse.Namespace) -> bool:
+    """Whether a Hugging Face tokenizer loads its fast implementation."""
+    return not getattr(args, "tokenizer_hf_no_use_fast", False)
+
+
+def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str, use_fast: bool = True,
+                        include_special_tokens: bool = False):
     """Megatron-LM's GPT2BPETokenizer: byte-level BPE from exactly these two files.
 
     megatron-core 0.16.1 builds it as HuggingFace's "gpt2" with the vocabulary overridden,
@@ -102,7 +108,8 @@ def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str):
                 handle.write(data)
             os.replace(staging, target)
     return MegatronTokenizer.from_pretrained(
-        tokenizer_path=directory, metadata_path={"library": "huggingface"}, use_fast=True)
+        tokenizer_path=directory, metadata_path={"library": "huggingface"}, use_fast=use_fast,
+        include_special_tokens=include_special_tokens)
 
 
 class NullTokenizer:
@@ -143,16 +150,22 @@ def build_tokenizer(args: argparse.Namespace):
         # Megatron-LM's tokenizer flags (their defaults where a caller's namespace lacks them).
         tokenizer_metadata=getattr(args, "tokenizer_metadata", None),
         tokenizer_special_tokens=getattr(args, "tokenizer_special_tokens", None),
-        tokenizer_hf_use_fast=True,  # always (--tokenizer-hf-use-fast is a no-op)
+        # Fast unless core_v0.19.0's --tokenizer-hf-no-use-fast says otherwise (core_v0.16.1's
+        # --tokenizer-hf-use-fast is a no-op: the fast one always).
+        tokenizer_hf_use_fast=_hf_use_fast(args),
         tokenizer_hf_include_special_tokens=getattr(args, "tokenizer_hf_include_special_tokens", False),
         tokenizer_sentencepiece_legacy=getattr(args, "tokenizer_sentencepiece_legacy", False),
+        tokenizer_sentencepiece_ignore_extra_whitespaces=getattr(
+            args, "tokenizer_sentencepiece_ignore_extra_whitespaces", True),
+        chat_template=getattr(args, "chat_template", None),
         trust_remote_code=getattr(args, "trust_remote_code", False),
         tiktoken_pattern=args.tiktoken_pattern,
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
     )
     try:
         if args.tokenizer_type == "GPT2BPETokenizer":
-            return _gpt2_bpe_tokenizer(args.vocab_file, args.merge_file)
+            return _gpt2_bpe_tokenizer(args.vocab_file, args.merge_file, use_fast=options.tokenizer_hf_use_fast,
+                                       include_special_tokens=options.tokenizer_hf_include_special_tokens)
         return build(options)
     except (OSError, AssertionError, ValueError) as err:
         raise HeteroError(

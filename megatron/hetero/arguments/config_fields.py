@@ -26,6 +26,7 @@ CONFIG_FIELD_FLAGS: dict[str, tuple[str, ...]] = {
         "--test-mode", "--no-barrier-with-level-1-timing", "--config-logger-dir",
         "--mtp-num-layers", "--mtp-loss-scaling-factor", "--use-fused-weighted-squared-relu",
         "--no-initialization",
+        "--mlp-chunks-for-training",  # core_v0.19.0's
     ),
     "multi-latent attention (megatron-core MLATransformerConfig fields)": (
         "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
@@ -52,13 +53,18 @@ CONFIG_FIELD_FLAGS: dict[str, tuple[str, ...]] = {
 
 
 # Megatron-LM flags that its pretrain_gpt.py passes unchanged to megatron-core's tokenizer
-# and dataset builders (build_tokenizer(args), GPTDatasetConfig); data.py does the same.
+# and dataset builders (build_tokenizer(args), GPTDatasetConfig); data.py does the same. A tag
+# lacking a flag leaves it out (flags.declare); core_v0.19.0 renamed the two --tokenizer-hf-*
+# switches into their negations (flags/later_tags.py reads them by the old dests too).
 DATA_BUILDER_FLAGS = (
     "--tokenizer-metadata", "--tokenizer-special-tokens", "--tiktoken-special-tokens",
     "--tokenizer-hf-include-special-tokens", "--tokenizer-sentencepiece-legacy",
     "--trust-remote-code", "--num-dataset-builder-threads", "--object-storage-cache-path",
     "--mid-level-dataset-surplus", "--allow-ambiguous-pad-tokens", "--dataloader-fast-cache-load",
     "--dataloader-defer-npy-index-mmap", "--per-dataset-sequences-path",
+    # core_v0.19.0's
+    "--tokenizer-hf-no-use-fast", "--tokenizer-hf-no-include-special-tokens",
+    "--no-tokenizer-sentencepiece-ignore-extra-whitespaces", "--chat-template",
 )
 
 # Megatron-LM flags that its gpt_builders passes to megatron-core's GPTModel (or, for

@@ -13,9 +13,11 @@ A refused flag given with Megatron-LM's default value asks for nothing Megatron-
 differently without it (``--cp-comm-type p2p``), so it is accepted as a no-op.
 
 Modules: ``facts`` (Megatron-LM's flags), ``reads`` (where Megatron-LM's pretrain_gpt.py reads
-each; the no-op rule), ``declare`` (honoured flags declared from the facts), ``catalog`` (our rulings on the flags arguments/
-does not honour), ``rules`` (each flag's status), ``parsing`` (the parser side: recording,
-judging a command line), ``typos`` ("did you mean"), ``docs`` (docs/flags.md and the counts).
+each; the no-op rule), ``declare`` (honoured flags declared from the facts), ``catalog`` (our
+rulings on the flags arguments/ does not honour), ``themes`` (the refused flags' themes and
+their reasons), ``later_tags`` (a later tag's renamed and removed flags, read by the reference
+tag's dests), ``rules`` (each flag's status), ``parsing`` (the parser side: recording, judging a
+command line), ``typos`` ("did you mean"), ``docs`` (docs/flags.md and the counts).
 Nothing here imports torch or megatron-core.
 """
 

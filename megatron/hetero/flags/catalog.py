@@ -3,157 +3,38 @@
 A flag of Megatron-LM's pretrain_gpt.py (megatron_lm_flags.json) is honoured when
 arguments/ defines it; every other flag is listed here exactly once:
 
-- ``NOOPS`` (and ``noops()``): accepted, no effect, because Megatron-LM itself ignores it
-  (deprecated, read nowhere, or overridden by its validate_args in every run we can make);
-- a theme of ``THEMES``: refused by name, with what the feature is and what to do
-  (``REASONS`` where one flag needs its own words).
+- ``NOOPS`` (and ``noops()``, with ``LATER_TAG_NOOPS`` of the tag in use): accepted, no
+  effect, because Megatron-LM itself ignores it (deprecated, read nowhere, or overridden by
+  its validate_args in every run we can make);
+- a theme (flags/themes.py: ``THEMES`` and the flags of each, ``THEME_FLAGS``): refused by
+  name, with what the feature is and what to do (``REASONS`` where one flag needs its own words).
 
 ``DEFAULT_ONLY`` lists flags arguments/ defines (the runtime reads their value) whose
 every value but Megatron-LM's default is refused at start-up: they count as refused.
 ``REFUSED_VALUES`` lists values of honoured flags that Megatron-LM accepts and we refuse.
 ``DEFAULT_DIFFERENCES`` lists honoured flags whose default is not Megatron-LM's.
 
-rules.check_registry names any flag that is both honoured and listed here, or neither.
+rules.check_registry names any flag that is both honoured and listed here, or neither. The flags
+of a later Megatron-LM tag than the reference one are ruled on here too ("core_v0.19.0's").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from megatron.hetero.flags.facts import megatron_tag
+
+# The themes and the refused flags of each (also read as catalog.THEMES, catalog.theme_of_flags).
+from megatron.hetero.flags.themes import (  # noqa: F401
+    OTHER_PROGRAM_FLAGS,
+    OTHER_PROGRAM_GROUPS,
+    THEME_FLAGS,
+    THEMES,
+    theme_of_flags,
+)
 
 # Flags of ours that Megatron-LM does not have.
 HETERO_FLAGS = ("--hetero-plan", "--hetero-adapt", "--hetero-adapt-output", "--hetero-snapshot-replicas",
                 "--hetero-allow-untested-megatron-core", "--local_rank")
 
-
-@dataclass(frozen=True)
-class Theme:
-    """Refused flags that share one reason: ``what`` the feature is, ``todo`` for the user."""
-
-    title: str
-    what: str
-    todo: str = "not supported yet - remove it"
-
-    def reason(self) -> str:
-        return f"{self.what}; {self.todo}"
-
-
-THEMES: dict[str, Theme] = {
-    "overlap": Theme(
-        "communication overlap and bucketing variants",
-        "a communication-overlap variant beyond --overlap-grad-reduce, --overlap-param-gather "
-        "and the --ddp-* bucketing flags (tensor-parallel overlap through transformer-engine's "
-        "userbuffers, averaging inside the collective, deferred "
-        "weight gradients)",
-        "remove it (--overlap-grad-reduce, --overlap-param-gather and --ddp-bucket-size "
-        "overlap and bucket the data-parallel communication)"),
-    "pipeline_schedule": Theme(
-        "interleaved-pipeline tuning",
-        "ring-exchange pipeline transfers, which need a torch.distributed.ring_exchange that "
-        "PyTorch does not ship",
-        "remove it (interleaving itself runs with --num-virtual-stages-per-pipeline-rank, "
-        "--num-layers-per-virtual-pipeline-stage or the plan's stages[s].virtual_stages)"),
-    "context_parallel": Theme(
-        "context parallelism",
-        "a variant of transformer-engine's context-parallel attention (its communication types, "
-        "hierarchical or hybrid context groups), which this release does not run",
-        "remove it (--context-parallel-size itself runs: megatron-core's attention gathers each "
-        "layer's keys and values over the context ranks)"),
-    "low_precision": Theme(
-        "FP8 and FP4 training",
-        "FP8/FP4 training needs transformer-engine on Hopper/Ada/Blackwell/MI300 GPUs"),
-    "gpu_runtime": Theme(
-        "GPU-only runtime tuning",
-        "tunes CUDA/NCCL/transformer-engine internals (CUDA graphs, NCCL user buffers and "
-        "symmetric memory, activation offloading, transformer-engine's RNG tracker and "
-        "activations) that Megatron-Hetero does not drive", "remove it"),
-    "parallel_layout": Theme(
-        "parallel layout (the plan decides)",
-        "sets the pipeline or data-parallel layout, which the heterogeneous plan decides",
-        "remove it; give per-stage layer counts and rank order in the plan (hetero-plan "
-        "--hetero-plan plan.json)"),
-    "fsdp": Theme("FSDP", "fully sharded data parallelism (Megatron-FSDP, torch FSDP2)",
-                  "not supported yet - remove it; --use-distributed-optimizer shards optimizer state"),
-    "moe": Theme(
-        "MoE options that need NVIDIA-only libraries or overlap expert-parallel communication",
-        "a mixture-of-experts option that needs NVIDIA-only code (the DeepEP/HybridEP "
-        "communication libraries, the legacy grouped_gemm package, transformer-engine's overlap "
-        "of the expert all-to-all with compute) or that Megatron-Hetero does not run yet "
-        "(per-layer MoE logging, upcycling a dense checkpoint); every other MoE shape and "
-        "routing flag of megatron-core is honoured, expert parallelism included",
-        "remove it"),
-    "mla": Theme(
-        "multi-latent attention inference options",
-        "caching multi-latent attention's compressed latents, an inference option of "
-        "megatron-core's MLA flash decoding (training never reads it; --multi-latent-attention "
-        "and its shape flags run)", "remove it"),
-    "attention_variants": Theme(
-        "experimental attention variants",
-        "an experimental attention variant (gated delta net, DeepSeek sparse attention), QK "
-        "clipping or max-attention-logit logging, which Megatron-LM runs on transformer-engine "
-        "and flash-linear-attention kernels and in its own training loop"),
-    "model_variants": Theme(
-        "model-architecture variants",
-        "a model-construction option Megatron-Hetero does not run (Xavier initialisation, MTP "
-        "layers in their own pipeline stage)", "remove it"),
-    "optimizer_variants": Theme(
-        "optimizer and precision variants",
-        "an optimizer variant that needs GPUs or transformer-engine (optimizer state offloaded "
-        "from GPU memory to the CPU, precision-aware optimizer state in transformer-engine's "
-        "FusedAdam)", "remove it"),
-    "checkpoint_variants": Theme(
-        "checkpoint variants",
-        "a checkpointing mode beyond Megatron-Hetero's torch_dist save/load (non-persistent or "
-        "local checkpoints, conversion of legacy distributed-optimizer state, gradient dumps, "
-        "replication)"),
-    "data_variants": Theme(
-        "dataset variants",
-        "a dataset or data-loader mode beyond --data-path/--mock-data with --split, a dataset per "
-        "split, --dataloader-type single/cyclic and megatron-core's dataset options (FIM, "
-        "multiple validation sets, phase transitions)"),
-    "tokenizer_variants": Theme(
-        "tokenizer options",
-        "a tokenizer option of Megatron-LM's legacy tokenizers (--legacy-tokenizer, extra "
-        "sentinel ids) or a fixed padded vocabulary; megatron-core's tokenizer options are "
-        "honoured"),
-    "logging_variants": Theme(
-        "logging options",
-        "a logging or timing option Megatron-Hetero's logger does not produce", "remove it"),
-    "run_control": Theme(
-        "run control", "a run-control option (process-group set-up, "
-        "large-gradient checks, test modes) Megatron-Hetero does not implement", "remove it"),
-    "resilience": Theme(
-        "fault tolerance and resilience",
-        "needs NVIDIA's resilience packages (straggler detector, nvidia-resiliency-ext fault "
-        "tolerance and in-process restart, rerun state machine, ADLR autoresume)",
-        "not supported - remove it; Megatron-Hetero's watchdog reports a lost process and "
-        "--save/--load resume the run"),
-    "inprocess_wrapper": Theme(
-        "in-process restart's wrapper", "a setting of nvidia-resiliency-ext's in-process restart wrapper, "
-        "which Megatron-Hetero's in-process restart does not use (it restarts a node's processes together, "
-        "waits --inprocess-barrier-timeout for the job's re-plan and takes a peer silent for "
-        "--inprocess-heartbeat-timeout as lost)", "leave it at its default (remove it)"),
-    "kitchen": Theme("kitchen quantization", "NVIDIA kitchen quantization recipes",
-                     "not supported - remove it"),
-    "heterogeneous_layers": Theme(
-        "heterogeneous layer architecture",
-        "Megatron-LM's per-layer heterogeneous ARCHITECTURE (NAS models with differing "
-        "layers), unrelated to Megatron-Hetero's heterogeneous hardware"),
-    "other_programs": Theme(
-        "flags of other Megatron-LM programs",
-        "belongs to another Megatron-LM program (vision, BERT/T5, retrieval/biencoder, RL, "
-        "SFT, inference, Mamba/hybrid models, model-optimizer export); Megatron-Hetero "
-        "pretrains GPT models", "not supported - remove it"),
-    "legacy": Theme("legacy and experimental", "Megatron-LM's legacy models or experimental "
-                    "configuration paths (YAML configs, model specs, meta-device init)",
-                    "not supported - remove it"),
-    "removed": Theme("removed from Megatron-LM", "removed from Megatron-LM (its parser still "
-                     "knows the name only to refuse it)", "remove it"),
-    # Only for the flags of a later Megatron-LM tag than the reference one (flags/rules.py):
-    # every flag of the reference tag has a ruling of its own.
-    "unreviewed": Theme("newer Megatron-LM flags not supported yet",
-                        "a flag Megatron-LM added after core_v0.16.1 that Megatron-Hetero does not "
-                        "implement yet", "not supported yet - remove it"),
-}
 
 # One message for a flag, where the theme's reason is not specific enough.
 REASONS: dict[str, str] = {
@@ -187,6 +68,73 @@ REASONS: dict[str, str] = {
                             "model has none - remove it",
     "--use-legacy-models": "Megatron-LM's legacy (non-megatron-core) models are not supported; "
                            "Megatron-Hetero builds megatron-core's GPTModel - remove it",
+    # Flags core_v0.19.0 added.
+    **{flag: "shards each weight over more ranks than the tensor-parallel degree (Megatron-LM's "
+             "generalized tensor parallelism, a process-group axis of its own that Megatron-Hetero's "
+             "plans do not have); not supported yet - remove it"
+       for flag in ("--tensor-parallel-num-weight-shards", "--expert-tensor-parallel-num-weight-shards")},
+    "--moe-router-force-biased": "adds a random bias, the same on every rank, to the router's logits (a "
+                                 "benchmarking aid); not supported yet - remove it; "
+                                 "--moe-router-force-load-balancing routes by random logits",
+    **{flag: "an option of the flex dispatcher's NCCL-EP backend (--moe-flex-dispatcher-backend ncclep), "
+             "which needs transformer-engine's fused grouped MLP on Blackwell GPUs; Megatron-Hetero runs "
+             "the alltoall and allgather dispatchers - remove it"
+       for flag in ("--moe-ncclep-static-shape", "--moe-ncclep-zero-copy")},
+    "--moe-expert-rank-capacity-factor": "a per-rank token budget of the flex dispatcher's HybridEP and "
+                                         "NCCL-EP backends (--moe-token-dispatcher-type flex, refused) - "
+                                         "remove it; --moe-expert-capacity-factor drops tokens per expert",
+    "--moe-paged-stash": "keeps the routed experts' activations for the backward pass in paged GPU "
+                         "buffers (spilling to host memory), a memory manager Megatron-Hetero does not "
+                         "set up - remove it",
+    "--mtp-use-repeated-layer": "applies one multi-token-prediction layer --mtp-num-layers times (shared "
+                                "weights), where Megatron-Hetero's plans place and cost one layer per "
+                                "prediction depth; not supported yet - remove it",
+    "--mtp-detach-heads": "trains the multi-token-prediction heads on their own loss only (detached from "
+                          "the main model, their gradients clipped as a group of their own); not "
+                          "supported yet - remove it",
+    **{flag: f"periodic dumps of the {what} to files for debugging, which Megatron-Hetero does not "
+             "write - remove it" for flag, what in (
+                 ("--save-params-interval", "parameters"), ("--save-activations-interval", "activations"),
+                 ("--save-tokens-per-expert-interval", "numbers of tokens routed to each expert"))},
+    "--override-ckpt-iteration": "resumes as if the loaded checkpoint were of another iteration (the "
+                                 "data order rewound or skipped with it), which Megatron-Hetero's resume "
+                                 "does not do - remove it; --ckpt-step loads another saved iteration",
+    "--enable-msc": "routes checkpoint and data paths through NVIDIA's multi-storage client (msc:// "
+                    "paths to object stores), which Megatron-Hetero does not use - remove it",
+    "--async-strategy": "chooses the background writer of --async-save: Megatron-Hetero's always "
+                        "writes with megatron-core's own (what --async-strategy mcore asks for); "
+                        "choosing it, nvidia-resiliency-ext's nvrx included, is not supported yet - "
+                        "remove it",
+    "--dataloader-inter-document-masking": "masks attention between the documents packed into one "
+                                           "sequence by their lengths (packed-sequence attention), "
+                                           "which Megatron-Hetero's batches do not carry; not supported "
+                                           "yet - remove it; --reset-attention-mask masks attention "
+                                           "between documents with the dataloader's attention mask",
+    "--no-pad-vocab-size": "keeps the vocabulary at the tokenizer's size, where Megatron-Hetero always pads "
+                           "it to a multiple of --make-vocab-size-divisible-by times the tensor-parallel "
+                           "degree (the same for every plan of one model) - remove it; "
+                           "--make-vocab-size-divisible-by 1 pads the least",
+    "--null-tokenizer-eod-id": "the end-of-document id of Megatron-LM's synthetic NullTokenizer, which "
+                               "Megatron-Hetero's NullTokenizer keeps at --vocab-size; not supported yet "
+                               "- remove it",
+    "--null-tokenizer-pad-id": "the padding id of Megatron-LM's synthetic NullTokenizer, which "
+                               "Megatron-Hetero's NullTokenizer does not have (no token is padding); not "
+                               "supported yet - remove it",
+    "--step-batch-size-schedule": "a global batch size that steps up at thresholds of consumed tokens or "
+                                  "samples, where Megatron-Hetero's plans fix the global batch; not "
+                                  "supported yet - remove it; --global-batch-size sets the batch and "
+                                  "--rampup-batch-size ramps it up",
+    "--exit-signal-handler-for-training": "exits at SIGINT or SIGTERM without saving, after a barrier of "
+                                          "all ranks; not supported - remove it; --exit-signal-handler "
+                                          "finishes the iteration, saves and exits at --exit-signal",
+    "--gpu-sniff-test-interval": "runs GPU performance tests (GEMMs, all-to-all, send/recv) every N "
+                                 "iterations to name a rank slower than the others; not supported - "
+                                 "remove it; --hetero-adapt measures the replicas' times while training "
+                                 "and rebalances a slow one",
+    "--ddp-param-name-patterns-for-fp32-local-accumulation": (
+        "accumulates in fp32 the gradients of the parameters whose names match these patterns, the "
+        "others in the training precision; not supported yet - remove it; "
+        "--accumulate-allreduce-grads-in-fp32 accumulates every gradient in fp32"),
 }
 
 # Flags arguments/ defines, because the runtime reads their value, but whose every value
@@ -268,7 +216,9 @@ NOOPS: dict[str, str] = {
              "(--experimental-attention-variant, refused); standard attention ignores it" for flag in (
                  "--dsa-indexer-loss-coeff", "--linear-attention-freq", "--linear-conv-kernel-dim",
                  "--linear-key-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
-                 "--linear-value-head-dim")},
+                 "--linear-value-head-dim",
+                 # core_v0.19.0's
+                 "--dsa-indexer-topk-freq", "--dsa-indexer-skip-topk-offset", "--dsa-kernel-backend")},
     **{flag: "a Mamba/hybrid-model setting: Megatron-LM's pretrain_gpt.py only copies it from a checkpoint's "
              "arguments (--use-checkpoint-args); the GPT model never reads it" for flag in (
                  "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern",
@@ -281,143 +231,67 @@ NOOPS: dict[str, str] = {
              "package is missing, and Megatron-Hetero never reports to it" for flag in (
                  "--no-one-logger", "--one-logger-project", "--one-logger-run-name", "--one-logger-async",
                  "--app-tag-run-name", "--app-tag-run-version")},
+    # Flags core_v0.19.0 added.
+    **{flag: "a megatron-core config field read only by its inference-optimized layers "
+             "(--transformer-impl inference_optimized, refused); training ignores it" for flag in (
+                 "--inference-grouped-gemm-backend", "--inference-moe-disable-fused-quant-kernels",
+                 "--inference-moe-token-dispatcher-type")},
+    **{flag: f"megatron-core's TransformerConfig.{flag[2:].replace('-', '_')}, read only for "
+             "--moe-paged-stash (refused)" for flag in (
+                 "--moe-paged-stash-page-size", "--moe-paged-stash-buffer-size-factor-cuda",
+                 "--moe-paged-stash-buffer-size-factor-cpu")},
+    "--moe-router-quantile-balancing-ema": "megatron-core's TransformerConfig."
+                                           "moe_router_quantile_balancing_ema, read only for "
+                                           "--moe-router-load-balancing-type quantile_balancing (refused)",
+    **{flag: "Megatron-LM reads it only for --position-embedding-type yarn (refused), the YaRN RoPE of a "
+             "model without multi-latent attention" for flag in (
+                 "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+                 "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")},
+    "--muon-scalar-optimizer": "megatron-core's OptimizerConfig.muon_scalar_optimizer, read only for "
+                               "--optimizer muon or adaptive_muon (refused)",
+    **{flag: f"megatron-core's OptimizerConfig.{flag[2:].replace('-', '_')}, read only for --optimizer "
+             "lion, or muon with --muon-scalar-optimizer lion (refused)" for flag in (
+                 "--lion-beta1", "--lion-beta2")},
+    "--no-stream-ckpt-dequant": "megatron-core's loader dequantizes FP8/FP4 model parameters only "
+                                "(--fp8-param-gather, --fp4-param-gather: refused); any other "
+                                "checkpoint loads the same either way",
+    "--mamba-training-ssm-states-dtype": "a Mamba/hybrid-model setting: megatron-core reads it only in "
+                                         "Mamba layers, which only a hybrid model (--hybrid-layer-pattern, "
+                                         "refused) builds; the GPT model never reads it",
+    **{flag: f"megatron-core's DistributedDataParallelConfig.{flag[2:].replace('-', '_')}, read only for "
+             "--use-megatron-fsdp (refused)" for flag in (
+                 "--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype",
+                 "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-max-pool-double-buffer")},
+    "--no-use-layer-wise-param-layout": "Megatron-LM reads it only for the layer-wise distributed "
+                                        "optimizer of --optimizer muon, lion, soap or adaptive_muon "
+                                        "(refused)",
 }
 
-_THEME_FLAGS: dict[str, tuple[str, ...]] = {
-    "overlap": (
-        "--tp-comm-overlap-cfg", "--tp-comm-overlap-rs-dgrad",
-        "--no-tp-comm-bulk-wgrad", "--no-tp-comm-bulk-dgrad", "--no-tp-comm-overlap-ag",
-        "--no-tp-comm-overlap-rs", "--no-tp-comm-split-ag", "--no-tp-comm-split-rs",
-        "--tp-comm-bootstrap-backend", "--ddp-average-in-collective", "--delay-wgrad-compute",
-        "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit",
-    ),
-    "pipeline_schedule": (
-        "--use-ring-exchange-p2p",
-    ),
-    "context_parallel": (
-        "--hierarchical-context-parallel-sizes", "--cp-comm-type",
-        "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank",
-    ),
-    "low_precision": (
-        "--fp8-format", "--fp8-recipe", "--fp8-quantizer-factory", "--fp8-margin",
-        "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--no-fp8-wgrad",
-        "--fp8-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
-        "--num-layers-at-end-in-bf16", "--fp4-format", "--fp4-recipe", "--fp4-param-gather",
-        "--fp4-quantizer-factory", "--te-precision-config-file",
-        "--reuse-grad-buf-for-mxfp8-param-ag", "--moe-router-padding-for-fp8",
-        "--moe-router-padding-for-quantization",
-    ),
-    "gpu_runtime": (
-        "--enable-cuda-graph", "--external-cuda-graph", "--cuda-graph-impl",
-        "--cuda-graph-warmup-steps", "--cuda-graph-scope", "--te-rng-tracker",
-        "--use-te-activation-func",
-        "--symmetric-ar-type", "--use-nccl-ub", "--disable-symmetric-registration",
-        "--fsdp-manual-registration", "--pipeline-model-parallel-comm-backend",
-        "--cpu-offloading-num-layers",
-        "--fine-grained-activation-offloading", "--offload-modules",
-        "--min-offloaded-tensor-size", "--batch-invariant-mode",
-    ),
-    "parallel_layout": (
-        "--num-distributed-optimizer-instances",
-    ),
-    "fsdp": (
-        "--use-megatron-fsdp", "--use-torch-fsdp2",
-        "--no-strict-fsdp-dtensor-load",
-    ),
-    "moe": (
-        "--overlap-moe-expert-parallel-comm",
-        "--ep-overlap-early-attn-memory-release", "--moe-latent-size",
-        "--moe-shared-expert-overlap",
-        "--moe-use-legacy-grouped-gemm",
-        "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
-        "--moe-deepep-num-sms",
-        "--moe-hybridep-num-sms", "--moe-use-upcycling",
-    ),
-    "mla": (
-        "--cache-mla-latents",
-    ),
-    "attention_variants": (
-        "--experimental-attention-variant", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",
-        "--log-max-attention-logit",
-    ),
-    "model_variants": (
-        "--init-method-xavier-uniform",
-        "--mtp-standalone",
-        "--decoder-num-layers",
-        "--decoder-seq-length",
-    ),
-    "optimizer_variants": (
-        "--optimizer-cpu-offload",
-        "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
-        "--exp-avg-dtype", "--exp-avg-sq-dtype",
-    ),
-    "checkpoint_variants": (
-        "--save-wgrads-interval", "--save-dgrads-interval",
-        "--load-main-params-from-ckpt",
-        "--non-persistent-local-ckpt-dir", "--non-persistent-local-ckpt-algo",
-        "--ckpt-convert-update-legacy-dist-opt-format",
-        "--distrib-optim-fully-reshardable-mem-efficient",
-        "--replication",
-    ),
-    "data_variants": (
-        "--phase-transition-iterations", "--fim-data",
-        "--multiple-validation-sets",
-    ),
-    "tokenizer_variants": (
-        "--padded-vocab-size", "--vocab-extra-ids",
-        "--legacy-tokenizer",
-    ),
-    "logging_variants": (
-        "--log-energy",
-    ),
-    "run_control": (
-        "--check-for-large-grads", "--lazy-mpu-init", "--fake-process-group",
-    ),
-    "resilience": (
-        "--log-straggler",
-        "--run-workload-inspector-server",
-        "--enable-ft-package",
-        "--error-injection-rate",
-        "--error-injection-type", "--check-for-spiky-loss",
-        "--result-rejected-tracker-filename", "--adlr-autoresume",
-    ),
-    "kitchen": ("--use-kitchen-attention", "--kitchen-attention-backend"),
-    "heterogeneous_layers": (
-        "--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",
-    ),
-    "legacy": (
-        "--use-legacy-models", "--yaml-cfg", "--spec", "--enable-experimental",
-        "--init-model-with-meta-device",
-    ),
-    "removed": ("--batch-size", "--warmup", "--model-parallel-size", "--checkpoint-activations"),
+# No-ops of a later Megatron-LM tag only: flags of the reference tag that the later tag reads
+# where the reference tag did not (there flags/reads.py's rule finds them no-ops by itself).
+LATER_TAG_NOOPS: dict[str, dict[str, str]] = {
+    "core_v0.19.0": {
+        **{flag: "an inference setting: Megatron-LM's training never acts on it (megatron-core reads it "
+                 "only in its inference engine)" for flag in (
+                     "--moe-pad-experts-for-cuda-graph-inference", "--nccl-all-reduce-for-prefill")},
+        "--muon-scale-mode": "megatron-core's OptimizerConfig.muon_scale_mode, read only for --optimizer "
+                             "muon (refused)",
+        **{flag: f"megatron-core's DistributedDataParallelConfig.{flag[2:].replace('-', '_')}, read only "
+                 "for --use-megatron-fsdp (refused)" for flag in (
+                     "--data-parallel-sharding-strategy", "--fsdp-double-buffer")},
+    },
 }
-
-# Megatron-LM's argument groups that belong wholly to other programs.
-OTHER_PROGRAM_GROUPS = ("rl", "vision", "biencoder", "inference", "sft", "modelopt-generic")
-_OTHER_PROGRAM_FLAGS = ("--is-hybrid-model", "--inference-rng-tracker")
-
-
-def theme_of_flags(group_of: dict[str, str]) -> dict[str, str]:
-    """Each refused flag's theme; ``group_of`` maps a flag to its Megatron-LM group title
-    (the groups of other programs are refused whole)."""
-    themes = {flag: theme for theme, flags in _THEME_FLAGS.items() for flag in flags}
-    for flag in _OTHER_PROGRAM_FLAGS:
-        themes[flag] = "other_programs"
-    for flag, group in group_of.items():
-        if group in OTHER_PROGRAM_GROUPS and flag not in themes:
-            themes[flag] = "other_programs"
-    return themes
 
 
 def noops() -> dict[str, str]:
-    """Every no-op flag and why it has no effect."""
-    return dict(NOOPS)
+    """Every no-op flag (of the Megatron-LM tag in use) and why it has no effect."""
+    return {**NOOPS, **LATER_TAG_NOOPS.get(megatron_tag(), {})}
 
 
 def duplicate_entries() -> list[str]:
     """Flags listed more than once across themes and no-ops."""
     seen: dict[str, int] = {}
-    lists = [*_THEME_FLAGS.values(), _OTHER_PROGRAM_FLAGS, NOOPS]
+    lists = [*THEME_FLAGS.values(), OTHER_PROGRAM_FLAGS, NOOPS, *LATER_TAG_NOOPS.values()]
     for flags in lists:
         for flag in flags:
             seen[flag] = seen.get(flag, 0) + 1

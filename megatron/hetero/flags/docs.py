@@ -12,6 +12,7 @@ from typing import Sequence
 
 from megatron.hetero.flags import catalog
 from megatron.hetero.flags.facts import FACTS_FILES, TAGS, megatron_flags, megatron_tag
+from megatron.hetero.flags.later_tags import RENAMED
 from megatron.hetero.flags.parsing import defined_options, group_heading
 from megatron.hetero.flags.rules import Ruling, Status, counts, rulings
 
@@ -173,8 +174,10 @@ def markdown(parser: argparse.ArgumentParser) -> str:
 
 def later_tag_section(parser: argparse.ArgumentParser) -> str:
     """The section of docs/flags.md for a later Megatron-LM tag than the reference one (the
-    tag in use): its counts, the status of each flag the reference tag lacks, and the
-    reference flags it removed. Rendered under that tag (HETERO_MEGATRON_LM_TAG)."""
+    tag in use): its counts, the status of each flag the reference tag lacks (a refused one's
+    theme, the themes' reasons below), the reference flags it removed, and those it reads where
+    the reference tag did not and nothing rules on yet. Rendered under that tag
+    (HETERO_MEGATRON_LM_TAG)."""
     table = rulings(defined_options(parser))
     c = flag_counts(parser)
     reference = next(iter(FACTS_FILES))
@@ -185,14 +188,33 @@ def later_tag_section(parser: argparse.ArgumentParser) -> str:
              f"With megatron-core {release} installed the flags are those of `{c.tag}`, read from its "
              "parser as the tables above are, under the same rules; what a flag means and its "
              f"default are `{c.tag}`'s. {counts_sentence(c).replace(' (`docs/flags.md` lists every flag)', '')}",
-             "", f"Flags `{c.tag}` added since `{reference}` (a refused one without a note is one "
-             "Megatron-Hetero does not implement yet, refused by name with that reason):", "",
+             "", f"Flags `{c.tag}` added since `{reference}`: a no-op with why it has no effect, a refused "
+             "flag with its theme (its reason below the table) or its own reason" + (
+                 " (a refused one without a note is one Megatron-Hetero does not implement yet, refused "
+                 "by name with that reason)" if any(table[name].theme == "unreviewed" for name in now - before)
+                 else "") + ":", "",
              "| flag | status | note |", "|---|---|---|"]
+    themes: list[str] = []
+    renamed = {later: f"--{old.replace('_', '-')}" for old, (later, negated) in RENAMED.items() if negated}
     for name, ruling in table.items():
         if name not in before:
             note = "" if ruling.theme == "unreviewed" else ruling.reason
+            if ruling.flag.dest in renamed:
+                note = f"`{reference}`'s `{renamed[ruling.flag.dest]}`, negated"
+            if note and ruling.theme and ruling.reason == catalog.THEMES[ruling.theme].reason():
+                note = f"theme: {catalog.THEMES[ruling.theme].title}"
+                if ruling.theme not in themes:
+                    themes.append(ruling.theme)
             lines.append(f"| {_code(ruling.flag.option_strings)} | {ruling.status.value} | {note} |")
+    if themes:
+        lines += ["", "The themes' reasons:", ""]
+        lines += [f"- {catalog.THEMES[key].title}: {catalog.THEMES[key].reason()}." for key in themes]
     removed = sorted(before - now)
     lines += ["", f"Flags of `{reference}` that `{c.tag}` no longer has (an error under it, as in "
               f"Megatron-LM): {', '.join(f'`{name}`' for name in removed)}.", ""]
+    newly_read = [name for name in sorted(now & before) if table[name].theme == "unreviewed"]
+    if newly_read:
+        lines += [f"Flags of `{reference}` that `{c.tag}`'s pretrain_gpt.py acts on where `{reference}`'s did "
+                  "not, refused under it until Megatron-Hetero implements them: "
+                  f"{', '.join(f'`{name}`' for name in newly_read)}.", ""]
     return "\n".join(lines)
