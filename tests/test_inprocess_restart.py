@@ -29,7 +29,8 @@ from hetero.events import CheckpointLoaded, StateRestored, losses, of_kind, read
 from hetero.launch.inprocess import Rejoin, finished, place, places, ready, report_finished, report_ready
 from hetero.launch.recovery import new_ranks
 from hetero.plan import Plan
-from megatron.hetero.snapshots import Box, LostState, Snapshot, SnapshotStore, plan_transfers
+from megatron.hetero.snapshots import (Box, LostState, Snapshot, SnapshotStore, flat_range_boxes, own_shard_pieces,
+                                      plan_transfers)
 from test_elastic import CLUSTER, _plan, assert_nothing_left, kill_node, supervise
 from tools.emulator import EmulatedCluster
 
@@ -58,11 +59,85 @@ def test_a_part_no_survivor_holds_is_named():
         plan_transfers([[Box("w", (0, 0), (2, 2))]], [[Box("w", (0, 0), (4, 2))]])
 
 
-def test_the_store_keeps_two_generations_and_a_copy_only_once_complete():
+def test_a_flat_range_is_cut_into_boxes_that_cover_it_exactly_in_order():
+    shape = (2, 3, 4)
+    for start in range(25):
+        for stop in range(start, 25):
+            marked = torch.zeros(shape, dtype=torch.int64)
+            seen = []
+            for offset, size in flat_range_boxes(shape, start, stop):
+                region = marked[tuple(slice(o, o + n) for o, n in zip(offset, size))]
+                region += 1
+                seen += torch.arange(24).reshape(shape)[tuple(slice(o, o + n) for o, n in zip(offset, size))].flatten().tolist()
+            assert seen == list(range(start, stop)), (start, stop)  # contiguous runs, in element order
+            assert marked.flatten().tolist() == [1 if start <= i < stop else 0 for i in range(24)]
+
+
+def test_own_optimizer_shards_of_stacked_layers_re_shard_to_another_tensor_parallel_degree():
+    """Each rank's own slice of the distributed optimizer's flat state (TP 2, DP 3, a layer
+    stack's prepended axis) restores a TP 3 layout split along the other axis exactly."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    layers, rows, cols = 2, 6, 5
+    whole = torch.arange(layers * rows * cols, dtype=torch.float32).reshape(layers, rows, cols)
+    holdings, pieces_of = [], []
+    for layer in range(layers):
+        for tp in range(2):  # the old run: rows split over TP 2, each TP part's state flat over DP 3
+            local = whole[layer, tp * 3:(tp + 1) * 3].contiguous()
+            flat = torch.cat([torch.full((2,), -1.0), local.flatten()])  # the flat state, a param at 2
+            view = flat[2:].view(3, cols)
+            sharded = ShardedTensor.from_rank_offsets("optimizer.state.param.w", view, (0, layer, layers),
+                                                      (1, tp, 2), replica_id=(0, 0, 0), prepend_axis_num=1)
+            for dp, (lo, hi) in enumerate([(2, 7), (7, 12), (12, 17)]):  # DP ranks' flat ranges
+                shard = flat[lo:hi].clone()  # the rank's live optimizer shard of the parameter
+                taken = own_shard_pieces(sharded, [(lo, hi, lambda shard=shard: {"param": shard}, "param")])
+                assert sum(b.numel for b in taken) == hi - lo
+                for box, (piece, (fetch, key, start, numel)) in taken.items():  # each piece's live source
+                    assert torch.equal(fetch()[key][start:start + numel].view(box.shape), piece)
+                holdings.append(list(taken))
+                pieces_of.append({box: piece for box, (piece, _) in taken.items()})
+    needs, targets = [], []
+    for layer in range(layers):
+        for tp, (c0, n) in enumerate([(0, 2), (2, 2), (4, 1)]):  # the new run: columns over TP 3
+            need = Box("optimizer.state.param.w", (layer, 0, c0), (1, rows, n))
+            needs.append([need])
+            targets.append(torch.full(need.shape, float("nan")))
+    for t in plan_transfers(holdings, needs):
+        piece = pieces_of[t.source][t.piece]
+        targets[t.target][t.part.slices_within(t.need)] = piece[t.part.slices_within(t.piece)]
+    for [need], target in zip(needs, targets):
+        expected = whole[tuple(slice(o, o + n) for o, n in zip(need.offset, need.shape))]
+        assert torch.equal(target, expected), need
+
+
+def test_a_recipe_takes_the_live_tensors_again_packed_one_buffer_per_dtype():
+    from megatron.hetero.snapshots.pieces import Recipe
+    from megatron.hetero.snapshots.taking import _refreshed, _same_snapshot
+
+    weight = torch.arange(6, dtype=torch.float32).view(2, 3)  # a live model tensor
+    shard = torch.arange(4, dtype=torch.float64)  # a live optimizer shard (another dtype)
+    fetch = lambda: {"exp_avg": shard}  # noqa: E731
+    boxes = [Box("w", (0, 0), (2, 3)), Box("optimizer.state.exp_avg.v", (1, 0), (1, 2))]
+    recipe = Recipe(boxes, [weight, (fetch, "exp_avg", 2, 2)], ["torch.float32", "torch.float64"])
+    template = {"optimizer": {"param_groups": [{"lr": 1.0, "step": 1}]}, "model": {}}
+    first = recipe.take(1, _refreshed(template, {"optimizer": {"param_groups": [{"lr": 0.5, "step": 2}]},
+                                                 "extra": {}}), taken_by=0)
+    assert sorted(first.packed) == ["torch.float32", "torch.float64"]
+    assert torch.equal(first.pieces[boxes[0]], weight) and first.pieces[boxes[1]].tolist() == [[2.0, 3.0]]
+    assert first.common == {"optimizer": {"param_groups": [{"lr": 0.5, "step": 2}]}, "model": {}}
+    weight.add_(1)  # training goes on: the next take sees it, the first keeps its copy
+    shard.mul_(2)
+    second = recipe.take(2, first.common, taken_by=0)
+    assert torch.equal(second.pieces[boxes[0]], weight) and second.pieces[boxes[1]].tolist() == [[4.0, 6.0]]
+    assert first.pieces[boxes[1]].tolist() == [[2.0, 3.0]]
+    assert not _same_snapshot(first, second) and _same_snapshot(second, recipe.take(2, first.common, taken_by=0))
+
+
+def test_the_store_keeps_three_generations_and_a_copy_only_once_complete():
     store = SnapshotStore()
-    for iteration in (1, 2, 3):
+    for iteration in (1, 2, 3, 4):
         store.add(Snapshot(iteration, 0, "a", {Box("w", (0,), (2,)): torch.zeros(2)}))
-    assert sorted(store.own) == [2, 3] and store.newest == 3
+    assert sorted(store.own) == [2, 3, 4] and store.newest == 4
     store.copies[3] = {1: Snapshot(3, 1, "b", {Box("w", (2,), (2,)): torch.ones(2)})}
     assert [s.iteration for s in store.held(3)] == [3, 3]
     store.add(Snapshot(3, 0, "a", {}))  # iteration 3 taken again (after a restore from 2)
@@ -243,7 +318,10 @@ def test_a_returned_node_joins_without_a_restart_of_the_others(tmp_path):
     from tools.emulator.cluster import return_node
 
     plan = _plan(tmp_path)
-    iterations = 300  # long enough for the returned node's processes to start while it trains
+    # Long enough for the returned node's processes to start while the job trains, and for
+    # the joined plan to measure its snapshot interval (12 iterations): on an idle machine the
+    # join came at iteration 90.
+    iterations = 200
     train = GPT_MODEL + TRAINING + ["--lr-decay-style", "constant", "--train-iters", str(iterations),
                                     "--use-distributed-optimizer", "--inprocess-restart"]
     control = tmp_path / "runs" / "attempt-0-control"

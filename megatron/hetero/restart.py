@@ -3,9 +3,10 @@ without restarting a process.
 
 Every --non-persistent-save-interval iterations (by default: as often as costs at most
 SNAPSHOT_BUDGET of the iteration time, measured at the start; every iteration where a
-snapshot is that cheap) each rank snapshots its model,
-optimizer and scheduler state into host memory and sends a copy to ranks on other nodes
-(``--hetero-snapshot-replicas``, default 1; snapshots.py). When a node is lost, the survivors'
+snapshot is that cheap) each rank snapshots its part of the model, optimizer and scheduler
+state into host memory (its own shard of the distributed optimizer's state, no gather; after
+the plan's first two snapshots, straight from the live tensors) and sends a copy to ranks on
+other nodes (``--hetero-snapshot-replicas``, default 1; snapshots/). When a node is lost, the survivors'
 collectives fail; each survivor records where it stands (hetero/launch/inprocess.py:
 ``report_ready``) and waits for the job's supervisor to re-plan for the nodes left
 (``Rejoin``). Then, in the same process: the process groups and megatron-core's parallel
@@ -38,12 +39,13 @@ from hetero.launch.inprocess import (CONTROL_DIR, REJOIN, Rejoin, launch_environ
 from hetero.plan import Plan
 from megatron.hetero import snapshots
 from megatron.hetero.log import print_rank_0
-from megatron.hetero.patches import snapshot_in_progress
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
+from megatron.hetero.snapshots.taking import SnapshotTaker
 
 
 SNAPSHOT_BUDGET = 0.03  # of the iteration time, for the default interval between snapshots
-MEASURED_ITERATIONS = 3  # snapshots taken and timed before the default interval is chosen
+REJOIN_CHECK_EVERY = 10  # iterations, at most, between two looks for a re-plan (a returned node)
+MEASURED_ITERATIONS = 12  # a plan's first iterations, timed with and without a snapshot before them
 
 
 @dataclass
@@ -70,10 +72,15 @@ class InProcessRestart:
         """A new plan (the first, or a re-plan): the interval between snapshots is
         --non-persistent-save-interval, or measured afresh by every rank of the plan alike."""
         self.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
+        self.taker = SnapshotTaker(self.args)  # how this plan's snapshots are taken
         self.interval = self.args.non_persistent_save_interval or 1
         self.interval_measured = self.args.non_persistent_save_interval is None
-        self._gaps: list[float] = []  # iteration times between snapshots (wall, end to start)
+        self._boundaries = 0  # iteration boundaries passed under this plan
+        # Each iteration's time (wall, from the end of one boundary to the next) and whether a
+        # snapshot came right before it (its copies travel while it computes).
+        self._gaps: list[tuple[float, bool]] = []
         self._since: float | None = None
+        self._snapshotted_last = False
         self._first_of_plan = len(self.snapshot_seconds)
 
     @classmethod
@@ -96,41 +103,50 @@ class InProcessRestart:
 
     def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         self.store.settle(block=False)  # the last snapshot's copies, if they arrived meanwhile
+        self._boundaries += 1
         if self._since is not None:
-            self._gaps.append(time.perf_counter() - self._since)
-        if self.interval_measured and len(self._gaps) == MEASURED_ITERATIONS:
+            self._gaps.append((time.perf_counter() - self._since, self._snapshotted_last))
+        if self.interval_measured and self._boundaries == MEASURED_ITERATIONS:
             self.interval = self.chosen_interval()
             self.interval_measured = False
-        if iteration % self.interval == 0 or self.interval_measured:
+        if self.interval_measured:
+            # The first two snapshots are taken in full (snapshots/taking.py); then one at every
+            # other boundary, so that iterations after a snapshot and iterations after none are
+            # timed alike.
+            due = self._boundaries <= 2 or self._boundaries % 2 == 0
+        else:
+            due = iteration % self.interval == 0
+        if due:
             self.snapshot(iteration, model, optimizer, scheduler, plan)
+        self._snapshotted_last = due
         self._since = time.perf_counter()
 
     def chosen_interval(self) -> int:
         """The default interval: the fewest iterations between snapshots that keep their cost
-        within SNAPSHOT_BUDGET of the time training takes meanwhile, from the snapshots and
-        iterations measured so far (the slowest rank's, agreed by every rank)."""
-        taken = self.snapshot_seconds[self._first_of_plan:]
-        measured = torch.tensor([max(taken[1:] or taken),  # the first exchanges the layout too
-                                 sorted(self._gaps)[len(self._gaps) // 2]], dtype=torch.float64)
+        within SNAPSHOT_BUDGET of the time training takes meanwhile. A snapshot costs its own
+        time and what its copies, travelling meanwhile, add to the iteration after it: measured
+        over the plan's first iterations (past the two snapshots taken in full), the slowest
+        rank's, agreed by every rank."""
+        taken = self.snapshot_seconds[self._first_of_plan:][2:] or [0.0]
+        timed = self._gaps[2:]  # the iterations after the full snapshots' left out
+        after = [gap for gap, snapshotted in timed if snapshotted] or [0.0]
+        plain = [gap for gap, snapshotted in timed if not snapshotted] or after
+        measured = torch.tensor([_median(taken), _median(after) - _median(plain), _median(plain)], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        snapshot_s, iteration_s = measured.tolist()
-        interval = max(1, math.ceil(snapshot_s / (SNAPSHOT_BUDGET * iteration_s)))
-        print_rank_0(f"> in-process restart: a snapshot takes {snapshot_s * 1e3:.0f} ms, an iteration "
-                     f"{iteration_s * 1e3:.0f} ms: a snapshot every {interval} iteration"
-                     f"{'s' if interval > 1 else ''}, within {SNAPSHOT_BUDGET:.0%} of the time "
-                     "(--non-persistent-save-interval N to choose)")
+        snapshot_s, slowed_s, iteration_s = measured.tolist()
+        cost_s = snapshot_s + max(slowed_s, 0.0)
+        interval = max(1, math.ceil(cost_s / (SNAPSHOT_BUDGET * iteration_s)))
+        print_rank_0(f"> in-process restart: a snapshot takes {snapshot_s * 1e3:.0f} ms and slows the iteration "
+                     f"after it by {slowed_s * 1e3:.0f} ms, an iteration takes {iteration_s * 1e3:.0f} ms: a "
+                     f"snapshot every {interval} iteration{'s' if interval > 1 else ''}, within "
+                     f"{SNAPSHOT_BUDGET:.0%} of the time (--non-persistent-save-interval N to choose)")
         return interval
 
     def snapshot(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         """This rank's state into host memory, and a copy to ranks on other nodes."""
-        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-        from megatron.hetero.checkpointing import state_for_memory
-
         start = time.perf_counter()
-        with snapshot_in_progress():
-            state = state_for_memory(model, optimizer, scheduler, self.args, loading=False)
-        sharded, common = save_preprocess(state, validate_access_integrity=False)
-        self.store.add(snapshots.take(sharded, common, iteration))
+        taken = self.taker.take(iteration, model, optimizer, scheduler)
+        self.store.add(taken)
         send_to, receive_from = buddies(plan, dist.get_rank(), self.replicas)
         self.store.replicate(send_to, receive_from)
         self.snapshot_seconds.append(time.perf_counter() - start)
@@ -148,7 +164,7 @@ class InProcessRestart:
             state_for_memory(model, optimizer, scheduler, self.args, loading=True))
         sharded, _ = extract_sharded_base(sharded)
         wanted = [t for t in nested_values(sharded) if isinstance(t, ShardedTensor)]
-        targets = {box_of(t): torch.empty(tuple(t.local_shape), dtype=t.dtype) for t in wanted}
+        targets = {box_of(t): torch.empty(box_of(t).shape, dtype=t.dtype) for t in wanted}
         iteration, common = snapshots.restore(self.store, targets)
         device = _device_of(model)
 
@@ -170,11 +186,16 @@ class InProcessRestart:
 
     def at_boundary(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> Rejoin | None:
         """After each iteration: the snapshot when one is due; the supervisor's re-plan when
-        one is written (every rank then snapshots this iteration, if it has not, and stops)."""
+        one is written (every rank then snapshots this iteration, if it has not, and stops).
+        A re-plan is looked for after each snapshot (the generations the store keeps rely on
+        that collective) and every REJOIN_CHECK_EVERY iterations, not after every iteration:
+        one collective over the whole job fewer per iteration."""
         self.after_iteration(iteration, model, optimizer, scheduler, plan)
+        if not self._snapshotted_last and iteration % REJOIN_CHECK_EVERY:
+            return None
         rejoin = self.planned_rejoin()
         if rejoin is not None:
-            if iteration % self.interval:  # nothing done since the last snapshot may be lost
+            if not self._snapshotted_last:  # nothing done since the last snapshot may be lost
                 self.snapshot(iteration, model, optimizer, scheduler, plan)
             print_rank_0(f"> in-process restart: re-planning at iteration {iteration} (epoch "
                          f"{rejoin.epoch}, {rejoin.world_size} processes)")
@@ -182,7 +203,7 @@ class InProcessRestart:
 
     def planned_rejoin(self) -> Rejoin | None:
         """A re-plan the supervisor wrote while the job runs (a node came back), agreed by
-        every rank at this iteration boundary (one scalar all-reduce)."""
+        every rank at this iteration boundary (one scalar all-reduce over the job)."""
         rejoin = Rejoin.load(self.control_dir, self.epoch + 1)
         seen = torch.tensor([1 if rejoin is not None else 0], dtype=torch.int32, device=_compute_device())
         dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # every rank must see it: a file may lag
@@ -218,6 +239,10 @@ def buddies(plan: Plan, logical_rank: int, replicas: int) -> tuple[list[int], li
         return chosen
 
     return targets(logical_rank), [r for r in range(plan.world_size) if logical_rank in targets(r)]
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _compute_device():

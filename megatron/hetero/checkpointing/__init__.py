@@ -50,6 +50,7 @@ from megatron.hetero.checkpointing.state import (
     model_chunks_of,
     model_keys,
     model_shape,
+    common_state_for_memory,
     state_for_memory,
 )
 from megatron.hetero.checkpointing.save import finalize_pending_saves, save_checkpoint
@@ -71,5 +72,6 @@ __all__ = [
     "model_keys",
     "model_shape",
     "save_checkpoint",
+    "common_state_for_memory",
     "state_for_memory",
 ]

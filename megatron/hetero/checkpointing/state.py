@@ -214,8 +214,19 @@ def apply_loaded(loaded: dict, model, optimizer, scheduler, restore_optimizer: b
         optimizer.reload_model_params()
 
 
+def common_state_for_memory(optimizer, scheduler, args: argparse.Namespace) -> dict:
+    """The parts of state_for_memory's state that are not tensors and change as training goes:
+    the scheduler, and the distributed optimizer's param groups and step (its state dict
+    without the parameter state, which patches.snapshot_in_progress(parameter_state=False)
+    leaves out). What a snapshot taken again from live tensors (snapshots.Recipe) takes afresh."""
+    metadata = _content_metadata(args)
+    optimizer_metadata = {k: metadata[k] for k in _OPTIMIZER_METADATA_KEYS if k in metadata}
+    return {"opt_param_scheduler": scheduler.state_dict(),
+            "optimizer": optimizer.sharded_state_dict({}, is_loading=False, metadata=optimizer_metadata)}
+
+
 def state_for_memory(model, optimizer, scheduler, args: argparse.Namespace, loading: bool) -> dict:
-    """The sharded state a snapshot holds (snapshots.py): the checkpoint's model, optimizer
+    """The sharded state a snapshot holds (snapshots/): the checkpoint's model, optimizer
     (fully reshardable) and scheduler, of every template; no RNG (a restore re-plans)."""
     return _state(model, optimizer, scheduler, loading=loading, optimizer_state=True, rng=False,
                   metadata=_content_metadata(args), every_template=True)

@@ -380,11 +380,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="optimizer-state-for-snapshots",
         why=(
-            "the distributed optimizer's fully reshardable state dict ends with a full garbage "
-            "collection (for runs with the collector disabled), ~0.2 s with megatron-core loaded: "
-            "most of an in-memory snapshot's cost when one is taken every iteration "
-            "(--inprocess-restart). While a snapshot is taken it collects the youngest generation "
-            "only; checkpoints keep the full collection"
+            "the distributed optimizer's fully reshardable state dict gathers every data-parallel "
+            "rank's optimizer shard onto each of them, then runs a full garbage collection (for runs "
+            "with the collector disabled), ~0.2 s with megatron-core loaded: most of an in-memory "
+            "snapshot's cost (--inprocess-restart), where each rank keeps only its own shard. While a "
+            "snapshot is taken, each rank's state holds its own shard only (no gather; where it lies "
+            "is recorded for the snapshot) and only the youngest generation is collected; "
+            "checkpoints keep the gather and the full collection"
         ),
         needed=lambda: True,
         apply=_apply_optimizer_state_for_snapshots,

@@ -188,29 +188,75 @@ def _apply_checkpoint_writers_die_with_rank() -> object:
     return write_preloaded_data
 
 
-_SNAPSHOT = {"taking": False}
+_SNAPSHOT: dict = {"taking": False, "per_rank": False, "parameter_state": True, "own_shards": {}}
 
 
-def snapshot_in_progress():
+def snapshot_in_progress(per_rank: bool = True, parameter_state: bool = True):
     """A context in which the distributed optimizer's sharded state dict is built for an
-    in-memory snapshot (restart.py): patch ``optimizer-state-for-snapshots``."""
+    in-memory snapshot (restart.py): patch ``optimizer-state-for-snapshots``. Per rank, it
+    yields where this rank's own optimizer shard lies in the state's flat tensors: the
+    storage's address -> the [start, stop) element ranges that hold this rank's data (the
+    rest is not filled), each with the live shard that fills it (snapshots.OwnShard); else
+    (empty) the state is gathered as for a checkpoint. Without ``parameter_state`` the
+    optimizer's state dict holds no tensors: only its param groups and step."""
     import contextlib
 
     @contextlib.contextmanager
     def taking():
-        _SNAPSHOT["taking"] = True
+        _SNAPSHOT.update(taking=True, per_rank=per_rank, parameter_state=parameter_state, own_shards={})
         try:
-            yield
+            yield _SNAPSHOT["own_shards"]
         finally:
-            _SNAPSHOT["taking"] = False
+            _SNAPSHOT.update(taking=False, per_rank=False, parameter_state=True, own_shards={})
 
     return taking()
+
+
+_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _own_parameter_state(optimizer) -> dict:
+    """get_parameter_state_dp_zero's result (every data-parallel rank's shards concatenated,
+    per grad buffer, without the padding between buckets) with only this rank's shard filled
+    in: no gather. Where the shard lies is recorded for the snapshot (``own_shards``)."""
+    import torch
+
+    group = optimizer.data_parallel_group
+    dp_size, dp_rank = group.size(), group.rank()
+    state = {"buckets_coalesced": True}
+    for buffer_index, ranges_by_dtype in enumerate(optimizer.gbuf_ranges):
+        buffer = optimizer.buffers[buffer_index]
+        by_dtype = {}
+        for dtype, bucket_ranges in ranges_by_dtype.items():
+            # Not zeroed: only the recorded ranges are read.
+            world = {key: torch.empty((buffer.numel_unpadded,), dtype=torch.float32) for key in _STATE_KEYS}
+            filled, bucket_start = [], 0
+            for bucket_index, bucket_range in enumerate(bucket_ranges):
+                bucket = buffer.buckets[bucket_index]
+                shard_start = bucket_start + dp_rank * (bucket.grad_data.numel() // dp_size)
+                for model_param, param_range in bucket_range["param_map"].items():
+                    fetch = functools.partial(optimizer._get_main_param_and_optimizer_states, model_param)
+                    tensors = fetch()
+                    start = shard_start + param_range["gbuf_local"].start
+                    stop = shard_start + param_range["gbuf_local"].end
+                    for key in _STATE_KEYS:
+                        world[key][start:stop].copy_(tensors[key].detach())
+                    filled.append((start, stop, fetch))
+                bucket_start += bucket.numel_unpadded
+            for key in _STATE_KEYS:  # each range with the live shard that fills it (snapshots.OwnShard)
+                _SNAPSHOT["own_shards"][world[key].untyped_storage().data_ptr()] = \
+                    [(start, stop, fetch, key) for start, stop, fetch in filled]
+            world["numel_unpadded"] = buffer.numel_unpadded
+            by_dtype[dtype] = world
+        state[buffer_index] = by_dtype
+    return state
 
 
 def _apply_optimizer_state_for_snapshots() -> object:
     import gc
 
     from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     class _Collector:
         """distrib_optimizer's ``gc``: its full collection, but a young one while a snapshot
@@ -223,5 +269,20 @@ def _apply_optimizer_state_for_snapshots() -> object:
         def collect(generation: int = 2) -> int:
             return gc.collect(0 if _SNAPSHOT["taking"] else generation)
 
+    gathered = DistributedOptimizer.get_parameter_state_dp_zero
+
+    def get_parameter_state_dp_zero(self, use_gloo_comm=True, empty_data=False, return_on_all_ranks=False):
+        if _SNAPSHOT["per_rank"] and not empty_data:
+            return _own_parameter_state(self)
+        return gathered(self, use_gloo_comm=use_gloo_comm, empty_data=empty_data,
+                        return_on_all_ranks=return_on_all_ranks)
+
+    with_parameter_state = DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        return with_parameter_state(self, *args, **kwargs) if _SNAPSHOT["parameter_state"] else {}
+
     distrib_optimizer.gc = _Collector()
-    return distrib_optimizer.gc
+    DistributedOptimizer.get_parameter_state_dp_zero = get_parameter_state_dp_zero
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+    return get_parameter_state_dp_zero

@@ -1,0 +1,112 @@
+"""Taking this rank's snapshot: in full from the checkpoint's state dicts, then from live tensors.
+
+The first snapshot under a plan is taken as a checkpoint's state is built (the model's and the
+optimizer's sharded state dicts, megatron-core's own code: keys, factories, boxes), with the
+distributed optimizer's state taken where it lives: each rank its own shard, no gather
+(patch ``optimizer-state-for-snapshots``). It leaves a recipe: each piece's live source. The
+second snapshot is taken both ways and compared on every rank; from the third on, a snapshot
+is the recipe's one copy per dtype plus the scheduler and the optimizer's param groups, with no
+state dict built. Any difference, or an optimizer state that is not a slice of its flat
+shards, and snapshots stay in full (gathered, when needed) for the rest of the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from megatron.hetero.log import print_rank_0
+from megatron.hetero.patches import snapshot_in_progress
+from megatron.hetero.snapshots.pieces import NotPerRank, Recipe, Snapshot, take
+
+
+class SnapshotTaker:
+    """One plan's way of taking this rank's snapshots (module docstring); every rank decides alike."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.per_rank: bool | None = None  # each rank its own optimizer shard (None: not yet known)
+        self.recipe: Recipe | None = None
+        self.recipe_checked = False
+        self.template: dict | None = None  # the common state's structure, from the first snapshot
+
+    def take(self, iteration: int, model, optimizer, scheduler) -> Snapshot:
+        if self.recipe is not None and self.recipe_checked:
+            return self.retake(iteration, optimizer, scheduler)
+        if self.per_rank is None:
+            try:
+                taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=True)
+            except NotPerRank as err:
+                taken = err
+            self.per_rank = agreed(not isinstance(taken, NotPerRank))
+            if not self.per_rank:
+                print_rank_0(f"> in-process restart: each snapshot gathers the optimizer state ({taken})")
+                taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=False)
+        else:
+            taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=self.per_rank)
+        if self.template is None:
+            # Only the distributed optimizer's param groups can be rebuilt without its tensors.
+            self.recipe = recipe if self.args.use_distributed_optimizer else None
+            self.template = taken.common
+        elif self.recipe is not None:
+            same = _same_snapshot(self.retake(iteration, optimizer, scheduler), taken)
+            self.recipe_checked = True
+            if not agreed(same):
+                self.recipe = None
+                print_rank_0("> in-process restart: a snapshot taken from the live tensors differed from one "
+                             "taken in full; snapshots are taken in full")
+        return taken
+
+    def in_full(self, iteration: int, model, optimizer, scheduler, per_rank: bool) -> tuple[Snapshot, Recipe]:
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from megatron.hetero.checkpointing import state_for_memory
+
+        with snapshot_in_progress(per_rank) as own_shards:
+            state = state_for_memory(model, optimizer, scheduler, self.args, loading=False)
+            sharded, common = save_preprocess(state, validate_access_integrity=False)
+            return take(sharded, common, iteration, own_shards)
+
+    def retake(self, iteration: int, optimizer, scheduler) -> Snapshot:
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from megatron.hetero.checkpointing import common_state_for_memory
+
+        with snapshot_in_progress(parameter_state=False):
+            _, fresh = save_preprocess(common_state_for_memory(optimizer, scheduler, self.args),
+                                       validate_access_integrity=False)
+        return self.recipe.take(iteration, _refreshed(self.template, fresh), dist.get_rank())
+
+
+def _refreshed(template, fresh):
+    """The template's structure with fresh's values (fresh may hold more: empty containers
+    where the template's tensors were)."""
+    if isinstance(template, dict):
+        return {key: _refreshed(value, fresh[key]) if key in fresh else value for key, value in template.items()}
+    if isinstance(template, list) and isinstance(fresh, list) and len(template) == len(fresh):
+        return [_refreshed(a, b) for a, b in zip(template, fresh)]
+    return fresh
+
+
+def _same_snapshot(a: Snapshot, b: Snapshot) -> bool:
+    return (list(a.pieces) == list(b.pieces) and all(torch.equal(a.pieces[box], b.pieces[box]) for box in a.pieces)
+            and _same(a.common, b.common))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def agreed(yes: bool) -> bool:
+    """True when every rank says yes (one all-reduce)."""
+    from megatron.hetero.identity import compute_device
+
+    flag = torch.tensor([1 if yes else 0], dtype=torch.int32, device=compute_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
