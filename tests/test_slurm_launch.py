@@ -309,6 +309,32 @@ def test_driver_json_says_where_each_in_process_re_plan_got_its_state(tmp_path):
                     "surviving rank; loaded /ckpt)"]
 
 
+def test_with_the_store_host_gone_every_silent_node_is_lost_not_only_the_one_an_error_names(tmp_path):
+    """The survivors' errors name the peer whose connection was reset, which may be one of two
+    nodes lost together: the named one is lost at once, the others that do not wait are
+    probed (and a probe that answers keeps its node)."""
+    from types import SimpleNamespace
+
+    from hetero.launch.inprocess import report_ready
+    from hetero.slurm.driver import attempt
+    from hetero.slurm.driver.attempt import SlurmRunner
+
+    addresses = {"node0": "10.0.0.10", "node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    probed_with = []
+    driver = SimpleNamespace(address=addresses.get,
+                             silent_nodes=lambda hosts: probed_with.append(hosts) or {h for h in hosts if h == "node2"})
+    runner = SlurmRunner(driver)
+    plan = SimpleNamespace(hosts=lambda: [(h, 1) for h in addresses])
+    runner.supervisor = SimpleNamespace(control_dir=tmp_path, epoch=4, plan=plan)
+    runner.first_waiting, runner.handed_over = None, set()
+    report_ready(tmp_path, 5, "node1:0", {"snapshot_iteration": 63, "named_peers": ["10.0.0.10"]})
+    probed: set[str] = set()
+    assert runner._silent_while_others_wait(probed) == set()  # not quiet long enough yet
+    runner.first_waiting -= attempt.QUIET_S
+    assert runner._silent_while_others_wait(probed) == {"node0", "node2"}
+    assert probed_with == [["node2", "node3"]] and probed == {"node2", "node3"}  # node0 named: not probed
+
+
 def test_flags_that_do_not_go_with_slurm(tmp_path):
     env = _fake_slurm(tmp_path)
     for argv, fragment in ((["--master-addr", "x", "--"], "--master-addr does not go with --slurm"),
@@ -545,9 +571,13 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
        checkpoints after it;
     2. node0 returns and joins the running job at an iteration boundary;
     3. node2 (the second node of component 0, which Slurm cannot take out of the job) is
-       lost between snapshots, returns, and joins again.
-    No process of a surviving node is restarted, no checkpoint is read, and every iteration
-    trains what one process trains."""
+       lost between snapshots, returns, and joins again;
+    4. node0 and node2 are lost together: each rank's snapshot has one copy, on the next
+       node, so a shard and its only copy go (any two of three nodes are neighbours in the
+       ring of copies): the job says so, loads the last disk checkpoint in node1's process,
+       and finishes there.
+    No process of a surviving node is restarted, no checkpoint is read before step 4, and
+    every iteration trains what one process trains."""
     from hetero.events import CheckpointLoaded, StateRestored
     from hetero.launch.inprocess import ready
 
@@ -594,26 +624,39 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
     wait("a few iterations with node0", lambda: any(e.iteration >= joined.iteration + 3 for e in
                                                      of_kind(read_events(events_dir), Iteration)), 120, output)
     second_s, second_restored = lose_and_take_back("node2", epoch=3)
+    rejoined = wait("node2's processes training", lambda: [r for r in of_kind(read_events(events_dir), StateRestored)
+                                                           if r.epoch == 4], 120, output)[0]
+    wait("a few iterations with node2", lambda: any(e.iteration >= rejoined.iteration + 3 for e in
+                                                     of_kind(read_events(events_dir), Iteration)), 120, output)
+    slurm.kill_node("node0")
+    slurm.kill_node("node2")
     final = wait("the job to end", lambda: record().get("outcome") and record(), 600, output)
     text = output.read_text()
+    for node in ("node0", "node2"):  # back for the tests after this one
+        slurm.restart_node(node, wait=False)
     assert final["outcome"] == "finished", text[-6000:]
-    slurm.wait_idle(timeout=30)
+    slurm.wait_idle(timeout=60)
     assert subprocess.run(["squeue", "-h"], env=slurm.env(), capture_output=True, text=True).stdout == ""
     assert_nothing_left(str(tmp_path))
 
     (attempt,) = final["attempts"]  # one attempt: no process of the survivors restarted
     assert [(r["kind"], r["nodes"]) for r in attempt["replans"]] == [
-        ("lost", ["node0"]), ("returned", ["node0"]), ("lost", ["node2"]), ("returned", ["node2"])]
+        ("lost", ["node0"]), ("returned", ["node0"]), ("lost", ["node2"]), ("returned", ["node2"]),
+        ("lost", ["node0", "node2"])]
     events = read_events(events_dir)
-    assert not of_kind(events, CheckpointLoaded), "no checkpoint file may be read"
     restores = of_kind(events, StateRestored)
-    assert [(r.epoch, r.source) for r in restores] == [(e, "memory") for e in (1, 2, 3, 4)], restores
+    assert [(r.epoch, r.source) for r in restores] == [(e, "memory") for e in (1, 2, 3, 4)] + [(5, "disk")], restores
     assert [(r["epoch"], r["restored"]["source"], r["restored"]["iteration"]) for r in attempt["replans"]] == [
-        (r.epoch, "memory", r.iteration) for r in restores]  # where each re-plan's state came from
+        (r.epoch, r.source, r.iteration) for r in restores]  # where each re-plan's state came from
+    # The one checkpoint read: the last one written before both copies of a shard were lost.
+    (loaded,) = of_kind(events, CheckpointLoaded)
+    assert loaded.time > restores[3].time and loaded.iteration == restores[4].iteration, (loaded, restores[4])
+    saves = [e for e in of_kind(events, CheckpointSaved)]
+    assert restores[4].iteration == max(e.iteration for e in saves if e.time < loaded.time)
+    assert f"the state of iteration {restores[4].iteration} came from the last disk checkpoint" in text, text[-6000:]
     # Lost in the write of iteration 20: from the snapshot of 19, and that write never published.
     assert first_restored == 19 and "free space or fix permissions" not in text
-    saves = [e for e in of_kind(events, CheckpointSaved)]
-    assert [e.iteration for e in saves] == list(range(20, iterations + 1, 20)), saves
+    assert sorted({e.iteration for e in saves}) == list(range(20, iterations + 1, 20)), saves
     assert saves[0].time > restores[0].time  # iteration 20's checkpoint: written after the recovery
     assert second_restored >= joined.iteration + 2  # at most the iteration since the last snapshot lost
     assert "node0 stays in job" in text and "node2 stays in job" in text  # Slurm cannot take them out
@@ -626,8 +669,8 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
         assert set(joiners) == {p for p in everywhere if p.startswith(f"{node}:")}, joiners
         pids.update(joiners)
     finished_by = {json.loads(p.read_text())["place"]: json.loads(p.read_text())["pid"]
-                   for p in (control / "epoch-4" / "finished").glob("*.json")}
-    assert finished_by == pids, (finished_by, pids)  # node1's process ran through all four re-plans
+                   for p in (control / "epoch-5" / "finished").glob("*.json")}
+    assert finished_by == {"node1:0": pids["node1:0"]}, (finished_by, pids)  # through all five re-plans
 
     # Every iteration trained in the end, as one process trains it.
     got = {e.iteration: iteration_figure(e, "lm loss") for e in of_kind(events, Iteration)}  # the last of each

@@ -226,9 +226,10 @@ class SlurmRunner:
     def _silent_while_others_wait(self, probed: set[str]) -> set[str]:
         """When survivors wait for a re-plan but none named a lost rank (the rendezvous
         store's host is gone, and with it what they read heartbeats from): after QUIET_S,
-        the hosts none of whose processes wait and whose address the survivors' library
-        errors name (their connections to it were reset); else those whose node runs no
-        probe step (a probe of a dead node takes up to PROBE_TIMEOUT_S)."""
+        of the hosts none of whose processes wait, those whose address the survivors'
+        library errors name (their connections to it were reset), and of the others those
+        whose node runs no probe step (a probe of a dead node takes up to PROBE_TIMEOUT_S;
+        two nodes lost together may be named one only)."""
         supervisor = self.supervisor
         reports = [r for r in ready(supervisor.control_dir, supervisor.epoch + 1) if not r.get("joining")]
         waiting = {r["place"].rsplit(":", 1)[0] for r in reports}
@@ -241,10 +242,9 @@ class SlurmRunner:
         candidates = {h for h, _ in supervisor.plan.hosts()} - waiting - probed - self.handed_over
         named = {address for r in reports for address in r.get("named_peers", [])}
         reset = {h for h in candidates if self.driver.address(h) in named}
-        if reset:
-            return reset
-        probed |= candidates
-        return self.driver.silent_nodes(sorted(candidates)) if candidates else set()
+        unnamed = candidates - reset
+        probed |= unnamed
+        return reset | (self.driver.silent_nodes(sorted(unnamed)) if unnamed else set())
 
     def _recover_in_process(self, lost: set[str], plan: Plan, record: AttemptRecord) -> bool:
         """Lost nodes re-planned for while the survivors wait in their processes; False when the
