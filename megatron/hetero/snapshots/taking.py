@@ -47,8 +47,9 @@ class SnapshotTaker:
         else:
             taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=self.per_rank)
         if self.template is None:
-            # Only the distributed optimizer's param groups can be rebuilt without its tensors.
-            self.recipe = recipe if self.args.use_distributed_optimizer else None
+            # Only the distributed optimizer's param groups can be rebuilt without its tensors,
+            # and a gathered state is no live tensor.
+            self.recipe = recipe if self.args.use_distributed_optimizer and self.per_rank else None
             self.template = taken.common
         elif self.recipe is not None:
             same = _same_snapshot(self.retake(iteration, optimizer, scheduler), taken)
