@@ -293,16 +293,16 @@ def test_driver_json_says_where_each_in_process_re_plan_got_its_state(tmp_path):
                            started=0.0, replans=[{"kind": "lost", "nodes": ["node2"], "epoch": 1},
                                                  {"kind": "lost", "nodes": ["node0", "node1"], "epoch": 2}])
     events = tmp_path / "events"
-    runner._note_restored(events, record)  # nothing reported yet
+    runner._note_restored(read_events(events), record)  # nothing reported yet
     assert all("restored" not in r for r in record.replans) and not said and not saves
     emit(StateRestored(launch_rank=0, epoch=1, iteration=19, source="memory", seconds=0.31), events)
-    runner._note_restored(events, record)
+    runner._note_restored(read_events(events), record)
     assert record.replans[0]["restored"] == {"source": "memory", "iteration": 19, "seconds": 0.31, "detail": ""}
     assert "restored" not in record.replans[1] and not said and saves == [1]
     emit(StateRestored(launch_rank=0, epoch=2, iteration=20, source="disk", seconds=1.5,
                        detail="decoder.layers.1.mlp: held by no surviving rank; loaded /ckpt"), events)
-    runner._note_restored(events, record)
-    runner._note_restored(events, record)  # each re-plan noted once
+    runner._note_restored(read_events(events), record)
+    runner._note_restored(read_events(events), record)  # each re-plan noted once
     assert record.replans[1]["restored"]["source"] == "disk" and saves == [1, 1]
     assert said == ["attempt 0: every copy of some snapshot was on lost nodes (node0, node1): the state of "
                     "iteration 20 came from the last disk checkpoint (decoder.layers.1.mlp: held by no "

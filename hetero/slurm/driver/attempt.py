@@ -91,7 +91,7 @@ class SlurmRunner:
         dead: set[str] = set()  # nodes whose slurmd did not answer a probe step
         if supervisor is not None:
             supervisor.address_of = driver.address
-            supervisor.lost_now = lambda: self._reported_lost(events_dir)
+            supervisor.lost_now = lambda: self._reported_lost(read_events(events_dir))
             supervisor.start_node = lambda host, epoch, new_plan: self._start_joiners(
                 host, epoch, new_plan, train_args, attempt, events_dir, lines, procs, readers, record)
         # procs and dead fill as the steps start and the watch goes on, so that a stop half-way
@@ -154,12 +154,12 @@ class SlurmRunner:
         self._start_step(host, argv, {**command.env, REJOIN: str(epoch)}, attempt, events_dir, lines, procs, readers)
         self.handed_over.discard(host)
 
-    def _reported_lost(self, events_dir: Path) -> set[str]:
-        """The hosts the ranks report lost since the last in-process re-plan (by the current
-        plan's launch ranks)."""
+    def _reported_lost(self, events: list) -> set[str]:
+        """The hosts the ranks report lost (``events``: the attempt's) since the last in-process
+        re-plan (by the current plan's launch ranks)."""
         plan = self.supervisor.plan
         since = self.replanned_at
-        reports = [e for e in of_kind(read_events(events_dir), LostRanks) if e.time >= since]
+        reports = [e for e in of_kind(events, LostRanks) if e.time >= since]
         return lost_hosts(AttemptResult(1, events=reports), plan) - self.handed_over
 
     def _watch(self, plan: Plan, attempt: int, events_dir: Path, procs: dict[str, subprocess.Popen],
@@ -180,8 +180,10 @@ class SlurmRunner:
             if running != previous:
                 last_change, previous = now, running
             failed = sorted(h for h, c in codes.items() if c not in (None, 0))
+            # The attempt's events, read once per turn for what the in-process path looks at.
+            events = read_events(events_dir) if self.supervisor is not None else []
             if self.supervisor is not None and first_failure is None:
-                reported = self._reported_lost(events_dir)
+                reported = self._reported_lost(events)
                 unexplained = [h for h in failed if h not in reported | probed]
                 probed |= set(unexplained)  # a failed step on a node that still runs steps: a crash
                 lost = reported | {h for h in unexplained if not driver.node_answers(h)}
@@ -220,7 +222,7 @@ class SlurmRunner:
                 elif self._readmit_now(plan, events_dir):
                     return "readmit"
             if self.supervisor is not None:
-                self._note_restored(events_dir, record)
+                self._note_restored(events, record)
             time.sleep(0.2)
 
     def _silent_while_others_wait(self, probed: set[str]) -> set[str]:
@@ -267,13 +269,14 @@ class SlurmRunner:
         return {"time": self.replanned_at, "kind": kind, "nodes": nodes, "epoch": epoch,
                 "plan": str(self.supervisor.run_dir / f"plan-inprocess-{epoch}.json")}
 
-    def _note_restored(self, events_dir: Path, record: AttemptRecord) -> None:
-        """Where each re-plan's state came from, once its ranks report it (StateRestored), into
-        driver.json; a fall-back to the disk checkpoint said in the driver's log too."""
+    def _note_restored(self, events: list, record: AttemptRecord) -> None:
+        """Where each re-plan's state came from, once its ranks report it (StateRestored among
+        the attempt's ``events``), into driver.json; a fall-back to the disk checkpoint said
+        in the driver's log too."""
         pending = {r["epoch"]: r for r in record.replans if "restored" not in r}
         if not pending:
             return
-        for restored in of_kind(read_events(events_dir), StateRestored):
+        for restored in of_kind(events, StateRestored):
             replan = pending.pop(restored.epoch, None)
             if replan is None:
                 continue
@@ -326,7 +329,7 @@ class SlurmRunner:
                 dead |= silent
                 result = AttemptResult(returncode, dead, list(lines), events)
         if self.supervisor is not None:
-            self._note_restored(events_dir, record)
+            self._note_restored(events, record)
             plan = self.supervisor.plan
             result.events = [e for e in events if e.time >= self.replanned_at]  # of the current plan
         lost = sorted(lost_hosts(result, plan)) if outcome == "failed" else []
