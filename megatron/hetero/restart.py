@@ -28,6 +28,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from statistics import median_high
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from hetero.plan import Plan
 from megatron.hetero import snapshots
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
-from megatron.hetero.snapshots.taking import SnapshotTaker
+from megatron.hetero.snapshots.taking import SnapshotTaker, agreed
 
 
 SNAPSHOT_BUDGET = 0.03  # of the iteration time, for the default interval between snapshots
@@ -131,7 +132,8 @@ class InProcessRestart:
         timed = self._gaps[2:]  # the iterations after the full snapshots' left out
         after = [gap for gap, snapshotted in timed if snapshotted] or [0.0]
         plain = [gap for gap, snapshotted in timed if not snapshotted] or after
-        measured = torch.tensor([_median(taken), _median(after) - _median(plain), _median(plain)], dtype=torch.float64)
+        measured = torch.tensor([median_high(taken), median_high(after) - median_high(plain), median_high(plain)],
+                                dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         snapshot_s, slowed_s, iteration_s = measured.tolist()
         cost_s = snapshot_s + max(slowed_s, 0.0)
@@ -205,9 +207,7 @@ class InProcessRestart:
         """A re-plan the supervisor wrote while the job runs (a node came back), agreed by
         every rank at this iteration boundary (one scalar all-reduce over the job)."""
         rejoin = Rejoin.load(self.control_dir, self.epoch + 1)
-        seen = torch.tensor([1 if rejoin is not None else 0], dtype=torch.int32, device=_compute_device())
-        dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # every rank must see it: a file may lag
-        return rejoin if seen.item() else None
+        return rejoin if agreed(rejoin is not None) else None  # every rank must see it: a file may lag
 
     def after_loss(self, plan: Plan, launch_rank: int, where: str, timeout_s: float,
                    named_peers: set[str] = frozenset()) -> Rejoin:
@@ -239,16 +239,6 @@ def buddies(plan: Plan, logical_rank: int, replicas: int) -> tuple[list[int], li
         return chosen
 
     return targets(logical_rank), [r for r in range(plan.world_size) if logical_rank in targets(r)]
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
-def _compute_device():
-    from megatron.hetero.identity import compute_device
-
-    return compute_device()
 
 
 def _device_of(model) -> torch.device:

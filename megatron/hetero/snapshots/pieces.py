@@ -37,10 +37,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        total = 1
-        for n in self.shape:
-            total *= n
-        return total
+        return math.prod(self.shape)
 
 
 def box_of(sharded_tensor) -> Box:
@@ -90,8 +87,8 @@ Source = torch.Tensor | tuple[Callable[[], dict], str, int, int]
 
 def own_shard_pieces(sharded_tensor, filled: list[OwnShard]) -> dict[Box, tuple[torch.Tensor, Source]]:
     """The parts of ``sharded_tensor`` (a view into a flat optimizer-state tensor of which this
-    rank filled the element ranges ``filled``) that hold this rank's data, as boxes, each with
-    its live source."""
+    rank filled the element ranges ``filled``) that hold this rank's data, as boxes: each a
+    view of that flat tensor (no copy), with its live source."""
     data = sharded_tensor.data
     if not data.is_contiguous():
         raise NotPerRank(f"{sharded_tensor.key}: not a contiguous slice of the optimizer's flat state")
@@ -103,8 +100,7 @@ def own_shard_pieces(sharded_tensor, filled: list[OwnShard]) -> dict[Box, tuple[
         at = start
         for offset, shape in flat_range_boxes(whole.shape, start, stop):
             box = Box(whole.key, tuple(a + b for a, b in zip(whole.offset, offset)), shape)
-            pieces[box] = (flat[at:at + box.numel].to("cpu", copy=True).reshape(shape),
-                           (fetch, key, first + at - lo, box.numel))
+            pieces[box] = (flat[at:at + box.numel].view(shape), (fetch, key, first + at - lo, box.numel))
             at += box.numel
     return pieces
 
@@ -137,17 +133,16 @@ class Recipe:
 
     def take(self, iteration: int, common: dict, taken_by: int) -> Snapshot:
         fetched: dict = {}
-        flats: dict[str, list[torch.Tensor]] = {}
-        for source in self.sources:
+        live: dict[Box, torch.Tensor] = {}
+        for box, source in zip(self.boxes, self.sources):
             if isinstance(source, torch.Tensor):
-                flat = source.detach().reshape(-1)
+                live[box] = source.detach()
             else:
                 fetch, key, start, numel = source
-                if fetch not in fetched:
+                if fetch not in fetched:  # one fetch per parameter, for all its states
                     fetched[fetch] = fetch()
-                flat = fetched[fetch][key].detach()[start:start + numel]
-            flats.setdefault(str(flat.dtype), []).append(flat)
-        packed = {dtype: torch.cat(parts).to("cpu") for dtype, parts in flats.items()}
+                live[box] = fetched[fetch][key].detach()[start:start + numel]
+        packed = pack(live, self.boxes)
         return Snapshot(iteration, taken_by, socket.gethostname(), unpack(packed, self.boxes, self.dtypes), common,
                         packed)
 
@@ -162,11 +157,11 @@ def box_order(box: Box) -> tuple:
 
 
 def pack(pieces: dict[Box, torch.Tensor], boxes: list[Box]) -> dict[str, torch.Tensor]:
-    """The pieces in ``boxes`` order, one flat buffer per dtype."""
+    """The pieces in ``boxes`` order, copied into one flat host-memory buffer per dtype."""
     parts: dict[str, list[torch.Tensor]] = {}
     for box in boxes:
         parts.setdefault(str(pieces[box].dtype), []).append(pieces[box].reshape(-1))
-    return {dtype: torch.cat(tensors) for dtype, tensors in parts.items()}
+    return {dtype: torch.cat(tensors).to("cpu") for dtype, tensors in parts.items()}
 
 
 def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]) -> dict[Box, torch.Tensor]:
@@ -205,8 +200,8 @@ def take(sharded_state: dict, common: dict, iteration: int,
             # identical copies add no safety the copies on other nodes do not give.
             box = box_of(value)
             if box not in taken:
-                taken[box] = (value.data.detach().to("cpu", copy=True).reshape(box.shape), value.data)
-    pieces = {box: tensor for box, (tensor, _) in taken.items()}
+                taken[box] = (value.data.detach().reshape(box.shape), value.data)
+    pieces = {box: tensor for box, (tensor, _) in taken.items()}  # views: pack copies them, once
     boxes = layout(pieces)
     packed = pack(pieces, boxes)
     dtypes = [str(pieces[box].dtype) for box in boxes]
