@@ -39,6 +39,7 @@ from hetero.launch.inprocess import (CONTROL_DIR, REJOIN, Rejoin, launch_environ
                                      wait_for_rejoin)
 from hetero.plan import Plan
 from megatron.hetero import snapshots
+from megatron.hetero.identity import compute_device
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
 from megatron.hetero.snapshots.taking import SnapshotTaker, agreed
@@ -133,7 +134,7 @@ class InProcessRestart:
         after = [gap for gap, snapshotted in timed if snapshotted] or [0.0]
         plain = [gap for gap, snapshotted in timed if not snapshotted] or after
         measured = torch.tensor([median_high(taken), median_high(after) - median_high(plain), median_high(plain)],
-                                dtype=torch.float64)
+                                dtype=torch.float64, device=compute_device())  # NCCL reduces GPU tensors only
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         snapshot_s, slowed_s, iteration_s = measured.tolist()
         cost_s = snapshot_s + max(slowed_s, 0.0)
