@@ -59,6 +59,49 @@ def test_a_part_no_survivor_holds_is_named():
         plan_transfers([[Box("w", (0, 0), (2, 2))]], [[Box("w", (0, 0), (4, 2))]])
 
 
+def test_a_model_tensor_left_out_of_the_snapshots_is_cut_from_the_optimizers_main_parameter():
+    # the optimizer's main parameter of w, flat over two data-parallel ranks; w itself left out
+    holdings = [[Box("optimizer.state.param.w", (0, 0), (1, 2))],
+                [Box("optimizer.state.param.w", (1, 0), (1, 2))]]
+    need = Box("w", (0, 0), (2, 2))
+    transfers = plan_transfers(holdings, [[need], []], without_twins=True)
+    assert sorted((t.source, t.part.offset) for t in transfers) == [(0, (0, 0)), (1, (1, 0))]
+    assert all(t.need == need for t in transfers)
+    with pytest.raises(LostState, match=r"^w: rows"):  # w kept in the snapshots: its own pieces are needed
+        plan_transfers(holdings, [[need]])
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_model_tensors_are_left_out_only_where_the_optimizer_holds_them_exactly(one_process_group):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.hetero.snapshots.pieces import take, twins, twins_agree
+
+    weight = torch.arange(6, dtype=torch.float32).view(2, 3)
+    bias = torch.ones(3)  # no optimizer copy (a frozen parameter): always kept
+    main = weight.clone()  # the optimizer's main parameter of weight, whole on this one rank
+    state = {"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0),
+             "b": ShardedTensor.from_rank_offsets("b", bias, replica_id=0),
+             "p": ShardedTensor.from_rank_offsets("optimizer.state.param.w", main, replica_id=0)}
+    full, _ = take(state, {}, 1)
+    assert twins(state) == {"w"} and twins_agree(state, full)
+    lean, recipe = take(state, {}, 1, without_twins=True)
+    assert {box.key for box in lean.pieces} == {"b", "optimizer.state.param.w"} and lean.without_twins
+    assert recipe.take(2, {}, taken_by=0).without_twins
+    main[0, 0] += 1  # the model's weights no longer the main parameter's (a quantized model, say)
+    assert not twins_agree(state, take(state, {}, 1)[0])
+    state["w"] = ShardedTensor.from_rank_offsets("w", weight.to(torch.bfloat16), replica_id=0)
+    main.copy_(weight)  # bf16 weights: the main parameter cast to them
+    assert twins_agree(state, take(state, {}, 1)[0])
+
+
 def test_a_flat_range_is_cut_into_boxes_that_cover_it_exactly_in_order():
     shape = (2, 3, 4)
     for start in range(25):

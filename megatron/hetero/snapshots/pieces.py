@@ -108,7 +108,9 @@ def own_shard_pieces(sharded_tensor, filled: list[OwnShard]) -> dict[Box, tuple[
 @dataclass
 class Snapshot:
     """One rank's state at one iteration: its pieces (host memory) and the common state.
-    ``packed``: the buffers (one per dtype) the pieces are views of, in ``layout`` order."""
+    ``packed``: the buffers (one per dtype) the pieces are views of, in ``layout`` order.
+    ``without_twins``: the model tensors that the optimizer's main parameters hold are left
+    out (``twins``); a restore takes them from those. Every rank's snapshots alike."""
 
     iteration: int
     taken_by: int                  # the logical rank that took it, in the world it was taken in
@@ -116,6 +118,7 @@ class Snapshot:
     pieces: dict[Box, torch.Tensor] = field(default_factory=dict)
     common: dict = field(default_factory=dict)
     packed: dict[str, torch.Tensor] | None = None
+    without_twins: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +133,7 @@ class Recipe:
     boxes: list[Box]
     sources: list[Source]
     dtypes: list[str]
+    without_twins: bool = False
 
     def take(self, iteration: int, common: dict, taken_by: int) -> Snapshot:
         fetched: dict = {}
@@ -144,7 +148,7 @@ class Recipe:
                 live[box] = fetched[fetch][key].detach()[start:start + numel]
         packed = pack(live, self.boxes)
         return Snapshot(iteration, taken_by, socket.gethostname(), unpack(packed, self.boxes, self.dtypes), common,
-                        packed)
+                        packed, self.without_twins)
 
 
 def layout(pieces: dict[Box, torch.Tensor]) -> list[Box]:
@@ -174,8 +178,50 @@ def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]
     return pieces
 
 
-def take(sharded_state: dict, common: dict, iteration: int,
-         own_shards: dict[int, list[OwnShard]] | None = None) -> tuple[Snapshot, Recipe]:
+# The distributed optimizer's copy of model tensor K (its main parameter) is the sharded
+# tensor OPTIMIZER_PARAM + K, in K's own coordinates (megatron-core's fully reshardable form).
+OPTIMIZER_PARAM = "optimizer.state.param."
+
+
+def _tensors(sharded_state: dict) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [v for v in nested_values(sharded_state) if isinstance(v, ShardedTensor) and v.data is not None]
+
+
+def twins(sharded_state: dict) -> frozenset[str]:
+    """The model tensors whose values the optimizer's main parameters hold (the keys K that
+    have an OPTIMIZER_PARAM + K) on this rank: a restore takes them from those, as the
+    optimizer itself writes its main parameters into the model after each step."""
+    return frozenset(value.key[len(OPTIMIZER_PARAM):] for value in _tensors(sharded_state)
+                     if value.key.startswith(OPTIMIZER_PARAM))
+
+
+def twins_agree(sharded_state: dict, snapshot: Snapshot) -> bool:
+    """Whether the model's tensors equal their optimizer copies (cast to the model's dtype)
+    wherever this rank's snapshot holds such a copy: each rank checks its own shard, so the
+    ranks together check every element. Not so where the model's weights are not the
+    optimizer's main parameters (quantized parameters, a precision-aware optimizer)."""
+    models: dict[str, list] = {}
+    for value in _tensors(sharded_state):
+        models.setdefault(value.key, []).append(value)
+    for box, piece in snapshot.pieces.items():
+        if not box.key.startswith(OPTIMIZER_PARAM):
+            continue
+        region = Box(box.key[len(OPTIMIZER_PARAM):], box.offset, box.shape)
+        inside = [v for v in models.get(region.key, []) if region.intersect(box_of(v)) == region]
+        if not inside:
+            return False
+        whole = box_of(inside[0])
+        model = inside[0].data.detach().reshape(whole.shape)[region.slices_within(whole)]
+        if not torch.equal(model.cpu(), piece.to(model.dtype)):
+            return False
+    return True
+
+
+def take(sharded_state: dict, common: dict, iteration: int, own_shards: dict[int, list[OwnShard]] | None = None,
+         without_twins: bool = False) -> tuple[Snapshot, Recipe]:
     """This rank's snapshot of a sharded state dict (hetero's checkpoint state, preprocessed
     by megatron-core's save_preprocess: factories applied, common part apart), and the recipe
     that takes it again from the live tensors.
@@ -183,13 +229,14 @@ def take(sharded_state: dict, common: dict, iteration: int,
     ``own_shards`` (from patches.snapshot_in_progress) says which flat optimizer-state tensors
     hold only this rank's shard, and where: of those, each rank keeps its own part, so the
     distributed optimizer's state is snapshot where it lives, with no gather. Raises
-    NotPerRank when such a tensor is not a contiguous slice of its flat state."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    NotPerRank when such a tensor is not a contiguous slice of its flat state. With
+    ``without_twins``, the model tensors that the optimizer's main parameters hold are left out."""
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
 
+    left_out = twins(sharded_state) if without_twins else frozenset()
     taken: dict[Box, tuple[torch.Tensor, Source]] = {}
-    for value in nested_values(sharded_state):
-        if not isinstance(value, ShardedTensor) or value.data is None:
+    for value in _tensors(sharded_state):
+        if value.key in left_out:
             continue
         filled = (own_shards or {}).get(value.data.untyped_storage().data_ptr())
         if filled is not None:
@@ -205,5 +252,6 @@ def take(sharded_state: dict, common: dict, iteration: int,
     boxes = layout(pieces)
     packed = pack(pieces, boxes)
     dtypes = [str(pieces[box].dtype) for box in boxes]
-    snapshot = Snapshot(iteration, dist.get_rank(), socket.gethostname(), unpack(packed, boxes, dtypes), common, packed)
-    return snapshot, Recipe(boxes, [taken[box][1] for box in boxes], dtypes)
+    snapshot = Snapshot(iteration, dist.get_rank(), socket.gethostname(), unpack(packed, boxes, dtypes), common, packed,
+                        without_twins)
+    return snapshot, Recipe(boxes, [taken[box][1] for box in boxes], dtypes, without_twins)

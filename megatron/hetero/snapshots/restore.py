@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import HeteroError
-from megatron.hetero.snapshots.pieces import Box, box_order
+from megatron.hetero.snapshots.pieces import OPTIMIZER_PARAM, Box, box_order
 from megatron.hetero.snapshots.store import SnapshotStore
 
 
@@ -21,10 +21,12 @@ class Transfer:
     need: Box         # the box it fills
 
 
-def plan_transfers(holdings: list[list[Box]], needs: list[list[Box]]) -> list[Transfer]:
+def plan_transfers(holdings: list[list[Box]], needs: list[list[Box]],
+                   without_twins: bool = False) -> list[Transfer]:
     """Which piece fills which part of which need (every rank computes the same list):
     each needed box from the pieces that cover it, the needing rank's own first, then the
-    lowest rank's; a part no survivor holds is named."""
+    lowest rank's; a part no survivor holds is named. In snapshots ``without_twins``, a model
+    tensor that the optimizer's main parameter holds is filled from that (pieces.twins)."""
     holders: dict[str, list[tuple[int, Box]]] = {}
     for rank, boxes in enumerate(holdings):
         for box in boxes:
@@ -32,8 +34,10 @@ def plan_transfers(holdings: list[list[Box]], needs: list[list[Box]]) -> list[Tr
     transfers = []
     for target, boxes in enumerate(needs):
         for need in boxes:
-            candidates = sorted(holders.get(need.key, []), key=lambda rb: (rb[0] != target, rb[0]))
-            missing = [need]  # parts of the need not yet covered, as boxes
+            twin = OPTIMIZER_PARAM + need.key
+            key = twin if without_twins and twin in holders else need.key
+            candidates = sorted(holders.get(key, []), key=lambda rb: (rb[0] != target, rb[0]))
+            missing = [Box(key, need.offset, need.shape)]  # parts of the need not yet covered, as boxes
             for rank, piece in candidates:
                 if not missing:
                     break
@@ -78,21 +82,27 @@ def restore(store: SnapshotStore, targets: dict[Box, torch.Tensor], group=None) 
     every need; returns that iteration and its common state. Collective; raises LostState
     on every rank alike when no iteration is covered."""
     holdings: dict[int, dict[Box, torch.Tensor]] = {}
+    without_twins: dict[int, bool] = {}  # every snapshot of an iteration alike (taking.py)
     for snapshot in store.held():
+        without_twins[snapshot.iteration] = snapshot.without_twins
         for box, tensor in snapshot.pieces.items():
             holdings.setdefault(snapshot.iteration, {}).setdefault(box, tensor)
     world = dist.get_world_size(group)
     tables: list = [None] * world
-    dist.all_gather_object(tables, ({it: sorted(boxes, key=box_order) for it, boxes in holdings.items()},
-                                    sorted(targets, key=box_order)), group=group)
-    needs = [table[1] for table in tables]
+    dist.all_gather_object(tables, ({it: (sorted(boxes, key=box_order), without_twins[it]) for it, boxes in holdings.items()},
+                                    [(box, targets[box].dtype) for box in sorted(targets, key=box_order)]),
+                           group=group)
+    needs = [[box for box, _ in table[1]] for table in tables]
+    dtypes = {(rank, box): dtype for rank, table in enumerate(tables) for box, dtype in table[1]}
     iterations = sorted({it for table in tables for it in table[0]}, reverse=True)
     if not iterations:
         raise LostState("no surviving rank holds a snapshot")
     problems = []
     for iteration in iterations:
         try:
-            transfers = plan_transfers([table[0].get(iteration, []) for table in tables], needs)
+            held = [table[0][iteration] for table in tables if iteration in table[0]]
+            transfers = plan_transfers([table[0][iteration][0] if iteration in table[0] else [] for table in tables],
+                                       needs, held[0][1])
             break
         except LostState as err:
             problems.append(f"iteration {iteration}: {err}")
@@ -109,8 +119,9 @@ def restore(store: SnapshotStore, targets: dict[Box, torch.Tensor], group=None) 
             targets[transfer.need][transfer.part.slices_within(transfer.need)] = \
                 mine[transfer.piece][transfer.part.slices_within(transfer.piece)]
         elif transfer.source == me:
-            ops.append(dist.P2POp(dist.isend, mine[transfer.piece][transfer.part.slices_within(transfer.piece)]
-                                  .contiguous(), dist.get_global_rank(group, transfer.target) if group else transfer.target, group))
+            part = mine[transfer.piece][transfer.part.slices_within(transfer.piece)]
+            ops.append(dist.P2POp(dist.isend, part.to(dtypes[transfer.target, transfer.need]).contiguous(),
+                                  dist.get_global_rank(group, transfer.target) if group else transfer.target, group))
         elif transfer.target == me:
             buffer = torch.empty(transfer.part.shape, dtype=targets[transfer.need].dtype)
             ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, transfer.source)

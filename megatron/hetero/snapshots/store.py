@@ -78,7 +78,7 @@ class SnapshotStore:
             self.copies[iteration] = {
                 peer: Snapshot(iteration, peer, headers[peer]["host"],
                                unpack(buffers, headers[peer]["boxes"], headers[peer]["dtypes"]),
-                               self.own[iteration].common, buffers)
+                               self.own[iteration].common, buffers, self.own[iteration].without_twins)
                 for peer, buffers in received.items()}
 
     def abandon(self) -> None:

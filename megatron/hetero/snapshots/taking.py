@@ -8,6 +8,12 @@ second snapshot is taken both ways and compared on every rank; from the third on
 is the recipe's one copy per dtype plus the scheduler and the optimizer's param groups, with no
 state dict built. Any difference, or an optimizer state that is not a slice of its flat
 shards, and snapshots stay in full (gathered, when needed) for the rest of the plan.
+
+The model's weights are not kept beside the optimizer's main parameters that hold them (a
+restore casts those to the model's dtype, as the optimizer's step does): with fp32 weights, the
+rank that kept each stage's weights copied twice what the others did. The first take checks,
+on every rank, that the live weights equal the main parameters it took; where they do not, it is
+taken again with both, and so are the plan's later ones.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.distributed as dist
 
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.patches import snapshot_in_progress
-from megatron.hetero.snapshots.pieces import NotPerRank, Recipe, Snapshot, take
+from megatron.hetero.snapshots.pieces import NotPerRank, Recipe, Snapshot, take, twins_agree
 
 
 class SnapshotTaker:
@@ -31,21 +37,28 @@ class SnapshotTaker:
         self.recipe: Recipe | None = None
         self.recipe_checked = False
         self.template: dict | None = None  # the common state's structure, from the first snapshot
+        # Model tensors left out where the optimizer's main parameters hold them (None: not yet known).
+        self.without_twins: bool | None = None
 
     def take(self, iteration: int, model, optimizer, scheduler) -> Snapshot:
         if self.recipe is not None and self.recipe_checked:
             return self.retake(iteration, optimizer, scheduler)
         if self.per_rank is None:
             try:
-                taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=True)
+                taken, recipe, sharded = self.in_full(iteration, model, optimizer, scheduler, per_rank=True)
             except NotPerRank as err:
                 taken = err
             self.per_rank = agreed(not isinstance(taken, NotPerRank))
             if not self.per_rank:
                 print_rank_0(f"> in-process restart: each snapshot gathers the optimizer state ({taken})")
-                taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=False)
+                taken, recipe, sharded = self.in_full(iteration, model, optimizer, scheduler, per_rank=False)
+            # A model tensor that the optimizer's main parameter holds is not kept twice, once
+            # every rank found the two equal (each its own shard); else it is taken again with both.
+            self.without_twins = agreed(twins_agree(sharded, taken))
+            if not self.without_twins:
+                taken, recipe, _ = self.in_full(iteration, model, optimizer, scheduler, per_rank=self.per_rank)
         else:
-            taken, recipe = self.in_full(iteration, model, optimizer, scheduler, per_rank=self.per_rank)
+            taken, recipe, _ = self.in_full(iteration, model, optimizer, scheduler, per_rank=self.per_rank)
         if self.template is None:
             # Only the distributed optimizer's param groups can be rebuilt without its tensors,
             # and a gathered state is no live tensor.
@@ -60,14 +73,16 @@ class SnapshotTaker:
                              "taken in full; snapshots are taken in full")
         return taken
 
-    def in_full(self, iteration: int, model, optimizer, scheduler, per_rank: bool) -> tuple[Snapshot, Recipe]:
+    def in_full(self, iteration: int, model, optimizer, scheduler,
+                per_rank: bool) -> tuple[Snapshot, Recipe, dict]:
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.hetero.checkpointing import state_for_memory
 
         with snapshot_in_progress(per_rank) as own_shards:
             state = state_for_memory(model, optimizer, scheduler, self.args, loading=False)
             sharded, common = save_preprocess(state, validate_access_integrity=False)
-            return take(sharded, common, iteration, own_shards)
+            without_twins = self.without_twins is not False  # tried first, then checked
+            return (*take(sharded, common, iteration, own_shards, without_twins), sharded)
 
     def retake(self, iteration: int, optimizer, scheduler) -> Snapshot:
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
