@@ -39,10 +39,11 @@ from hetero.launch.inprocess import (CONTROL_DIR, REJOIN, Rejoin, launch_environ
                                      wait_for_rejoin)
 from hetero.plan import Plan
 from megatron.hetero import snapshots
+from megatron.hetero.agreement import every_rank
 from megatron.hetero.identity import compute_device
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
-from megatron.hetero.snapshots.taking import SnapshotTaker, agreed
+from megatron.hetero.snapshots.taking import SnapshotTaker
 
 
 SNAPSHOT_BUDGET = 0.03  # of the iteration time, for the default interval between snapshots
@@ -208,7 +209,7 @@ class InProcessRestart:
         """A re-plan the supervisor wrote while the job runs (a node came back), agreed by
         every rank at this iteration boundary (one scalar all-reduce over the job)."""
         rejoin = Rejoin.load(self.control_dir, self.epoch + 1)
-        return rejoin if agreed(rejoin is not None) else None  # every rank must see it: a file may lag
+        return rejoin if every_rank(rejoin is not None) else None  # every rank must see it: a file may lag
 
     def after_loss(self, plan: Plan, launch_rank: int, where: str, timeout_s: float,
                    named_peers: set[str] = frozenset()) -> Rejoin:

@@ -33,14 +33,13 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from hetero import env, events
 from hetero.events import LostRank
 from hetero.plan import Plan
+from megatron.hetero.agreement import any_rank
 from megatron.hetero.distributed import announce_stopped
-from megatron.hetero.identity import compute_device
 from megatron.hetero.log import error
 
 HEARTBEAT_S = 1.0
@@ -116,10 +115,7 @@ class Watchdog:
         """Whether any rank received the exit signal: the same answer on every rank (a
         collective over the world, as Megatron-LM's signal handler), so all of them
         finish the same iteration and save it together."""
-        flag = torch.tensor([int(self._exit_received)], dtype=torch.int32,
-                            device=compute_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self._exit_received)
 
     def stop(self) -> None:
         self._stop.set()

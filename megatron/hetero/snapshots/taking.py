@@ -23,6 +23,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from megatron.hetero.agreement import every_rank
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.patches import snapshot_in_progress
 from megatron.hetero.snapshots.pieces import NotPerRank, Recipe, Snapshot, take, twins_agree
@@ -48,13 +49,13 @@ class SnapshotTaker:
                 taken, recipe, sharded = self.in_full(iteration, model, optimizer, scheduler, per_rank=True)
             except NotPerRank as err:
                 taken = err
-            self.per_rank = agreed(not isinstance(taken, NotPerRank))
+            self.per_rank = every_rank(not isinstance(taken, NotPerRank))
             if not self.per_rank:
                 print_rank_0(f"> in-process restart: each snapshot gathers the optimizer state ({taken})")
                 taken, recipe, sharded = self.in_full(iteration, model, optimizer, scheduler, per_rank=False)
             # A model tensor that the optimizer's main parameter holds is not kept twice, once
             # every rank found the two equal (each its own shard); else it is taken again with both.
-            self.without_twins = agreed(twins_agree(sharded, taken))
+            self.without_twins = every_rank(twins_agree(sharded, taken))
             if not self.without_twins:
                 taken, recipe, _ = self.in_full(iteration, model, optimizer, scheduler, per_rank=self.per_rank)
         else:
@@ -67,7 +68,7 @@ class SnapshotTaker:
         elif self.recipe is not None:
             same = _same_snapshot(self.retake(iteration, optimizer, scheduler), taken)
             self.recipe_checked = True
-            if not agreed(same):
+            if not every_rank(same):
                 self.recipe = None
                 print_rank_0("> in-process restart: a snapshot taken from the live tensors differed from one "
                              "taken in full; snapshots are taken in full")
@@ -118,11 +119,3 @@ def _same(a, b) -> bool:
         return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
     return a == b
 
-
-def agreed(yes: bool) -> bool:
-    """True when every rank says yes (one all-reduce)."""
-    from megatron.hetero.identity import compute_device
-
-    flag = torch.tensor([1 if yes else 0], dtype=torch.int32, device=compute_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())

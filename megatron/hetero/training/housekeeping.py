@@ -15,6 +15,7 @@ from megatron.hetero.patches import import_megatron_core
 import_megatron_core()  # megatron-core's first import defers its import-time torch.compile calls
 from megatron.core import parallel_state
 from megatron.hetero import template_reduction
+from megatron.hetero.agreement import any_rank
 from megatron.hetero.identity import compute_device
 from megatron.hetero.log import is_last_rank, print_rank_0
 
@@ -139,9 +140,7 @@ def check_weights_match_across_replicas(model_chunks: list, args: argparse.Names
                 "from the last checkpoint")
     if template_reduction.active():  # and across the replica templates, cell by cell
         problem = template_reduction.reduction().check_weights_agree()
-        found = torch.tensor([problem is not None], dtype=torch.int32, device=device)
-        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        if found.item():
+        if any_rank(problem is not None):
             raise HeteroError(f"weights differ across replica templates after iteration {iteration}: "
                               f"{problem or 'see the other ranks'}; resume from the last checkpoint")
     torch.distributed.barrier()

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.timers import Timers
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.hetero import adapt, template_reduction
+from megatron.hetero.agreement import any_rank
 from megatron.hetero.batch_schedule import BatchSchedule
 from megatron.hetero.checkpointing import finalize_pending_saves, iteration_dir, latest_iteration, save_checkpoint
 from megatron.hetero.identity import RankIdentity
@@ -279,9 +280,7 @@ class Trainer:
     def _time_is_up(self) -> bool:
         """--exit-duration-in-mins, agreed by all ranks (the slowest clock decides)."""
         minutes = (time.time() - self.start_time) / 60.0
-        done = torch.tensor([int(minutes > self.args.exit_duration_in_mins)], dtype=torch.int)
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
-        return bool(done.item())
+        return any_rank(minutes > self.args.exit_duration_in_mins)
 
     def train(self, start_iteration: int, train_data: Callable[[int, BatchSchedule], Iterator | None],
               valid_iterator, evaluate: bool) -> tuple[int, bool]:
