@@ -76,9 +76,11 @@ setup(
         "tiktoken": ["tiktoken>=0.7"],
         "wandb": ["wandb>=0.16"],
         # The tests build tiny tokenizers of every kind and log to W&B offline.
-        # ...and check the import contracts of .importlinter (scipy: the estimate's rank agreement).
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "transformers>=4.40", "tokenizers>=0.15",
-                 "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16", "import-linter>=2.1", "scipy>=1.10"],
+        # ...and check the import contracts of .importlinter (scipy: the estimate's rank agreement);
+        # pytest-xdist runs the suite on every core.
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "transformers>=4.40",
+                 "tokenizers>=0.15", "sentencepiece>=0.2", "tiktoken>=0.7", "wandb>=0.16", "import-linter>=2.1",
+                 "scipy>=1.10"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

@@ -4,6 +4,7 @@ and read their logs."""
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -49,6 +50,28 @@ TRAINING = [
 _ITERATION_FIGURES = {"learning rate": "learning_rate", "params norm": "params_norm", "grad norm": "grad_norm",
                       "loss scale": "loss_scale", "global batch size": "global_batch_size",
                       "consumed samples": "consumed_samples", "tokens per second": "tokens_per_s"}
+
+
+@functools.cache
+def _starts_clusters(path: Path) -> bool:
+    """Whether a test file starts emulated or Slurm clusters (it uses tools.emulator)."""
+    return path.suffix == ".py" and "tools.emulator" in path.read_text()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`make test` runs the suite on every core (pytest-xdist). The tests that start emulated
+    or Slurm clusters go to one worker, one after another: they share the machine's host
+    names (kill_node kills a host's processes in every emulated job), its Slurm daemons and
+    its CPU quotas, which the emulator sizes for the machine as a whole. Every other test is
+    a unit of its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClustersTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "clusters" if _starts_clusters(config.rootpath / nodeid.split("::")[0]) else nodeid
+
+    return ClustersTogether(config, log)
 
 
 def iteration_figure(event: Iteration, name: str) -> float:
