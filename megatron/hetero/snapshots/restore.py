@@ -89,20 +89,19 @@ def restore(store: SnapshotStore, targets: dict[Box, torch.Tensor], group=None) 
             holdings.setdefault(snapshot.iteration, {}).setdefault(box, tensor)
     world = dist.get_world_size(group)
     tables: list = [None] * world
-    dist.all_gather_object(tables, ({it: (sorted(boxes, key=box_order), without_twins[it]) for it, boxes in holdings.items()},
+    dist.all_gather_object(tables, ({it: sorted(boxes, key=box_order) for it, boxes in holdings.items()}, without_twins,
                                     [(box, targets[box].dtype) for box in sorted(targets, key=box_order)]),
                            group=group)
-    needs = [[box for box, _ in table[1]] for table in tables]
-    dtypes = {(rank, box): dtype for rank, table in enumerate(tables) for box, dtype in table[1]}
+    needs = [[box for box, _ in table[2]] for table in tables]
+    dtypes = {(rank, box): dtype for rank, table in enumerate(tables) for box, dtype in table[2]}
     iterations = sorted({it for table in tables for it in table[0]}, reverse=True)
     if not iterations:
         raise LostState("no surviving rank holds a snapshot")
     problems = []
     for iteration in iterations:
         try:
-            held = [table[0][iteration] for table in tables if iteration in table[0]]
-            transfers = plan_transfers([table[0][iteration][0] if iteration in table[0] else [] for table in tables],
-                                       needs, held[0][1])
+            transfers = plan_transfers([table[0].get(iteration, []) for table in tables], needs,
+                                       any(table[1].get(iteration, False) for table in tables))
             break
         except LostState as err:
             problems.append(f"iteration {iteration}: {err}")
