@@ -119,11 +119,11 @@ def test_fast_estimate_agrees_with_predict_where_expert_groups_cross_nodes() -> 
     assert worst < 0.15, f"fast estimate off predict() by {worst:.1%}"
 
 
-@pytest.mark.parametrize("cluster_file, model_name, interleaved", [
-    ("sailor_like_128.yaml", "gpt-neo-2.7b", False),
-    ("holmes_like.yaml", "gpt-3.6b", True),
+@pytest.mark.parametrize("cluster_file, model_name", [
+    ("sailor_like_128.yaml", "gpt-neo-2.7b"),
+    ("holmes_like.yaml", "gpt-3.6b"),
 ])
-def test_the_fast_estimate_of_templated_plans_agrees_with_predict(cluster_file, model_name, interleaved):
+def test_the_fast_estimate_of_templated_plans_agrees_with_predict(cluster_file, model_name):
     """Mixes of the template search (one class-pure template per class, each on its own
     shape, interleaved where it has three stages or more), placed and judged both ways: the
     estimate is the predictor's cross-template reduction itself and the closed form of each
@@ -134,7 +134,8 @@ def test_the_fast_estimate_of_templated_plans_agrees_with_predict(cluster_file, 
     search = TemplateSearch(planner.estimator, planner.estimator.blocks.costs)
     mixes = search.around([], 1, float("inf"))
     assert len(mixes) >= 8
-    assert any(o.virtual_stages > 1 for _, chosen, _ in mixes for o in chosen) == interleaved
+    # templates of both schedules among them: interleaved and plain 1F1B
+    assert {o.virtual_stages > 1 for _, chosen, _ in mixes for o in chosen} == {False, True}
     estimated, predicted = [], []
     for _, chosen, counts in mixes:
         plan = search.materialize(chosen, counts)

@@ -131,13 +131,32 @@ def test_ring_allreduce_across_hosts_by_hand():
     assert costs.group_allreduce(list("abcd"), 1e9, phases=1) == pytest.approx(expected / 2)
 
 
-def test_hierarchical_allreduce_two_hosts_two_members_each():
+def test_ring_over_two_members_on_each_of_two_hosts():
+    """NCCL's ring visits node after node: one edge out of each node, which carries both
+    members' NIC shares (the whole NIC); the ring's three steps of a quarter each."""
     cluster = _cluster([_node("a", count=2), _node("b", count=2)])
     costs = CostModel(cluster, PRESETS["gpt-1.7b"], TrainingSetup())
-    nvlink = 300e9 * 0.8
-    nic = 2 * 100e9 / 8 / 2 * 0.9  # two members, each with half the node's NIC
-    expected = 2 * (0.5 * 1e9 / nvlink + 3e-6) + 2 * (0.5 * 1e9 / nic + 2e-6)
+    nic = 2 * 100e9 / 8 / 2 * 0.9  # both members' halves of the node's NIC
+    expected = 2 * (3 / 4 * 1e9 / nic + 3 * 3e-6)  # NVLink's 3 us is the slowest edge's latency
+    assert costs.group_allreduce(["a", "b", "a", "b"], 1e9) == pytest.approx(expected)
     assert costs.group_allreduce(["a", "a", "b", "b"], 1e9) == pytest.approx(expected)
+
+
+def test_gloo_rings_follow_the_groups_rank_order():
+    """On CPU devices (gloo) the ring is the group's rank order: members alternating between
+    two nodes make every edge cross, two out of each node, each with one member's share."""
+    cluster = Cluster.from_dict({
+        "name": "cpus", "devices": {"cpu-dev": {"vendor": "cpu", "memory_gib": 4, "peak_tflops": 0.05,
+                                                "memory_bandwidth_gbs": 5}},
+        "groups": [{"name": "g", "nodes": [
+            {"host": h, "device": "cpu-dev", "count": 2, "intra_link": "loopback",
+             "nic": {"kind": "ethernet", "gbps": 8}} for h in "ab"]}]})
+    costs = CostModel(cluster, PRESETS["gpt-1.7b"], TrainingSetup())
+    packed = costs.allreduce_terms(("a", "a", "b", "b"))
+    alternating = costs.allreduce_terms(("a", "b", "a", "b"))
+    share = cluster.path("a", "b").bandwidth  # one member's share of the NIC
+    assert packed[0] == pytest.approx(3 / 4 / (2 * share))
+    assert alternating[0] == pytest.approx(3 / 4 / share)
 
 
 def test_cross_vendor_and_cross_group_routes():

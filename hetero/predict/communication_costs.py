@@ -4,9 +4,10 @@ and the experts' token all-to-alls.
 
 Alpha-beta: a transfer of V bytes over a route takes latency + V/bandwidth, the bandwidth
 being what the route achieves with every device busy (cluster.py), or what the link
-profile measured. An all-reduce over a group is hierarchical, as NCCL does it across nodes:
-reduce-scatter inside each node, all-reduce of the shards across nodes (each node's members
-drive their own NIC shares in parallel), all-gather inside each node.
+profile measured. An all-reduce over a group is the library's ring (NCCL's node after node,
+gloo's in rank order): a reduce-scatter and an all-gather of n - 1 steps each, paced by the
+ring's slowest edge; an edge leaving a node carries the NIC shares of the group's members
+there (allreduce_terms).
 """
 
 from __future__ import annotations
@@ -87,8 +88,12 @@ class CommunicationCosts:
         whole all-reduce of a copy of the input, then a copy of the rank's shard
         (ProcessGroupGloo::reduce_scatter_tensor_coalesced): 6.4 MB over 4 ranks took 26 ms
         where the all-reduce took 21 and the all-gather 16."""
-        on_gloo = all(node.device.vendor == CPU for node in self.cluster.nodes)
-        return 2 if on_gloo else 1
+        return 2 if self.collectives_on_gloo else 1
+
+    @functools.cached_property
+    def collectives_on_gloo(self) -> bool:
+        """Whether the job's collectives run on torch's gloo backend: a cluster of CPU devices."""
+        return all(node.device.vendor == CPU for node in self.cluster.nodes)
 
     def route(self, host_a: str, host_b: str, concurrent_crossings: int = 1,
               parallel_flows: int = 1) -> Route:
@@ -228,7 +233,8 @@ class CommunicationCosts:
 
     def group_allreduce(self, hosts: list[str], num_bytes: float, concurrent_crossings: int = 1,
                         phases: float = 2.0) -> float:
-        """Hierarchical all-reduce of num_bytes over members on `hosts` (one entry per member).
+        """Ring all-reduce of num_bytes over members on `hosts` (one entry per member, in the
+        group's rank order; allreduce_terms).
 
         phases=2 is an all-reduce; phases=1 a reduce-scatter or an all-gather alone.
         """
@@ -239,7 +245,18 @@ class CommunicationCosts:
 
     def allreduce_terms(self, hosts: tuple[str, ...], concurrent_crossings: int = 1) -> tuple[float, float]:
         """(seconds per byte, fixed seconds) of one all-reduce phase over members on
-        `hosts`; the time is linear in the size, so the terms are computed once."""
+        `hosts` (in the group's rank order); the time is linear in the size, so the terms are
+        computed once.
+
+        A phase is a ring's n - 1 steps, each moving 1/n of the data over every edge of the
+        ring at once: the slowest edge paces it. The ring is the library's: NCCL builds its
+        rings node by node (a node's members next to each other, one edge in and one out of
+        each node), gloo follows the group's rank order. An edge leaving a node carries the
+        NIC share of the node's members in the group (divided among the group's edges
+        leaving it). Measured on the emulator (bench/reduction_bench.py): replicas packed
+        two per node reduce as this ring, not as a hierarchical all-reduce (inside each node,
+        then across nodes on 1/k of the data), which priced their NIC time (n - 1)/n over
+        (nodes - 1)/nodes too fast - a third on two nodes."""
         key = (hosts, concurrent_crossings)
         if key in self._allreduce_cache:
             return self._allreduce_cache[key]
@@ -247,24 +264,40 @@ class CommunicationCosts:
         if measured is not None:  # a phase is half of the measured all-reduce
             self._allreduce_cache[key] = (measured[0] / 2, measured[1] / 2)
             return self._allreduce_cache[key]
-        per_host: dict[str, int] = {}
-        for host in hosts:
-            per_host[host] = per_host.get(host, 0) + 1
-        per_byte = fixed = 0.0
-        k = max(per_host.values())
-        if k > 1:  # inside nodes: reduce-scatter (+ all-gather)
-            intra = min((self.route(h, h) for h in per_host if per_host[h] > 1),
-                        key=lambda r: r.bandwidth)
-            per_byte += (k - 1) / k / intra.bandwidth
-            fixed += (k - 1) * intra.latency
-        num_hosts = len(per_host)
-        if num_hosts > 1:  # across nodes: a ring over hosts, each host's members in parallel
-            ordered = sorted(per_host, key=lambda h: (self.cluster.node(h).group, h))
-            edges = [
-                self.route(a, b, concurrent_crossings, parallel_flows=min(per_host[a], per_host[b]))
-                for a, b in zip(ordered, ordered[1:] + ordered[:1])
-            ]
-            per_byte += (num_hosts - 1) / num_hosts / min(e.bandwidth for e in edges)
-            fixed += (num_hosts - 1) * max(e.latency for e in edges)
+        ring = list(hosts) if self.collectives_on_gloo else self._node_by_node(hosts)
+        members: dict[str, int] = {}
+        leaving: dict[str, int] = {}
+        entering: dict[str, int] = {}
+        edges = list(zip(ring, ring[1:] + ring[:1]))
+        for host in ring:
+            members[host] = members.get(host, 0) + 1
+        for a, b in edges:
+            if a != b:
+                leaving[a], entering[b] = leaving.get(a, 0) + 1, entering.get(b, 0) + 1
+        slowest, latency = math.inf, 0.0
+        for a, b in edges:
+            if a == b:
+                route = self.route(a, a)
+            else:
+                flows = max(1, min(members[a] // leaving[a], members[b] // entering[b]))
+                route = self.route(a, b, concurrent_crossings, parallel_flows=flows)
+            slowest, latency = min(slowest, route.bandwidth), max(latency, route.latency)
+        n = len(ring)
+        per_byte, fixed = (n - 1) / n / slowest, (n - 1) * (self._ring_step_s if self._ring_step_s is not None
+                                                         else latency)
         self._allreduce_cache[key] = (per_byte, fixed)
         return per_byte, fixed
+
+    @functools.cached_property
+    def _ring_step_s(self) -> float | None:
+        """A ring step's fixed cost, from the all-reduce the link profile measured over the
+        whole job (Profiles.ring_step_s); without one each step waits for the ring's slowest
+        edge's latency. The profile's pair latencies are timed right after computing, as
+        pipeline messages meet them (megatron/hetero/profiling/network.py): on the emulator
+        that is a CPU quota's wait, 3-7 ms, which only a ring's first step pays - charged
+        to every step they overpriced a six-rank ring by 22% (bench/reduction_bench.py)."""
+        return self.profiles.ring_step_s()
+
+    def _node_by_node(self, hosts: tuple[str, ...]) -> list[str]:
+        """The members' hosts as NCCL's ring visits them: node after node."""
+        return sorted(hosts, key=lambda h: (self.cluster.node(h).group, h))

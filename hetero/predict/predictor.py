@@ -6,7 +6,7 @@ One iteration, as megatron-core runs it:
    order, each chunk's own work, a transfer at every chunk boundary, the wrap-around from
    the last stage to the first included);
 2. each rank, when its schedule ends, reduces its stage's gradients over its data-parallel
-   group (hierarchical all-reduce, or reduce-scatter + all-gather with the distributed
+   group (a ring all-reduce, or reduce-scatter + all-gather with the distributed
    optimizer; overlapped with the last backward when asked), and the tied embedding's
    gradient between first and last stage; with expert parallelism the experts' gradients
    go over the expert data-parallel group instead (the ranks holding the same experts);

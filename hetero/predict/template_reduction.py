@@ -26,8 +26,11 @@ priced with the rule of one template's overlapped reduction (communication_costs
 but the last bucket hide behind the stage's last backward, all but the first bucket of the
 gather behind the next forward. The runtime's side is megatron/hetero/template_reduction.py.
 
-A rank runs its groups one after the other; groups of different ranks run at once, sharing
-the links between fabric groups. Both the predictor (a plan's concrete hosts) and the
+A rank issues all its groups at once and waits for them (each process group runs its own
+all-reduce): their bytes share the rank's links, so they take as long as one after the other,
+but their fixed terms (each ring's steps' latencies) overlap - measured on the emulator
+(bench/reduction_bench.py), three groups priced one after the other came out 22% slow. Groups
+of different ranks run at once, sharing the links between fabric groups. Both the predictor (a plan's concrete hosts) and the
 planner's fast estimate (representative hosts of a class) price it here.
 """
 
@@ -135,19 +138,23 @@ def cross_template_reduction(costs: CostModel, layouts: Sequence[TemplateLayout]
             chain[holder] = chain.get(holder, 0) + 1
     # Groups of different ranks run at once, each rank's one after the other.
     crossings = max(1, math.ceil(spanning / max(chain.values())))
-    busy: dict[Holder, float] = {}
+    busy: dict[Holder, float] = {}  # a rank's groups' bytes, one group's after the other's
+    waits: dict[Holder, float] = {}  # the longest of its groups' fixed terms (they overlap)
     held: dict[Holder, float] = {}  # parameters a rank reduces, over all its groups
     widest: dict[Holder, int] = {}  # its largest group's ranks (megatron-core's bucket size)
     for g in groups:
         per_byte, fixed = costs.allreduce_terms(members[g], crossings)
-        seconds = 2 * (g.params * setup.grad_bytes * per_byte + fixed) if per_byte else 0.0
+        if not per_byte:
+            continue
         for holder in g.holders:
-            busy[holder] = busy.get(holder, 0.0) + seconds
+            busy[holder] = busy.get(holder, 0.0) + 2 * g.params * setup.grad_bytes * per_byte
+            waits[holder] = max(waits.get(holder, 0.0), 2 * fixed)
             held[holder] = held.get(holder, 0.0) + g.params
             widest[holder] = max(widest.get(holder, 0), len(members[g]))
     reduce: dict[tuple[int, int], float] = {}
     for holder, seconds in busy.items():
         k, s, _ = holder
+        seconds += waits[holder]
         hidden_behind = last_backward.get((k, s), 0.0) if last_backward else 0.0
         seconds = overlapped_reduce_s(setup, seconds, held[holder], widest[holder], hidden_behind)
         if setup.distributed_optimizer:

@@ -234,3 +234,14 @@ class Profiles:
         spread = sum((x - mean_x) ** 2 for x in sizes)
         per_byte = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in sizes.items()) / spread)
         return per_byte, max(0.0, mean_y - per_byte * mean_x)
+
+    def ring_step_s(self) -> float | None:
+        """What each step of the library's ring all-reduce costs beyond its bytes on this
+        cluster: the fixed term of the all-reduce measured over the most members, spread
+        over its ring's 2 (n - 1) steps; None when no all-reduce was measured."""
+        measured = {tuple(sorted(e.hosts)) for p in self.link_profiles for e in p.collectives if e.op == "allreduce"}
+        for hosts in sorted(measured, key=len, reverse=True):
+            fit = self.allreduce_fit(hosts)
+            if fit is not None and len(hosts) > 1:
+                return fit[1] / (2 * (len(hosts) - 1))
+        return None
