@@ -453,3 +453,39 @@ def test_shutting_the_connections_leaves_no_descriptor_behind():
             thing.close()
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_replan_member_that_never_comes_stops_the_meeting_within_its_bound(monkeypatch):
+    """Two nodes lost moments apart: the second said it waits, the re-plan counted it, then it
+    died. The re-plan's rendezvous gives up after its own bound (the heartbeat timeout), not
+    after the process groups' --distributed-timeout-minutes, and the store is forgotten for
+    the next re-plan."""
+    import socket
+    import time
+
+    from hetero.env import Launch
+    from megatron.hetero import distributed
+    from megatron.hetero.training.run import _meet_the_replan
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    distributed.forget_rendezvous()
+    started = time.monotonic()  # rank 0 hosts the store: the store's own wait for its clients ends
+    missing = _meet_the_replan(Launch(rank=0, world_size=2), timeout_s=1.0)
+    assert missing and "1/2 clients joined" in missing, missing
+    assert time.monotonic() - started < 30
+    assert distributed._store is None  # the next re-plan meets at its own store
+
+    import torch.distributed as dist
+
+    host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("RANK", "1")  # another rank reaches the store; the rank it waits for never does
+    started = time.monotonic()
+    assert _meet_the_replan(Launch(rank=1, world_size=2), timeout_s=1.0) == "1 of 2 processes came within 1 s"
+    assert time.monotonic() - started < 30 and distributed._store is None
+    del host

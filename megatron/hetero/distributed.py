@@ -215,6 +215,21 @@ def _rendezvous(timeout: timedelta) -> dist.Store:
     return _store
 
 
+def wait_for_every_rank(launch: Launch, timeout: timedelta, key: str = "hetero/arrived") -> None:
+    """Returns once every launch rank has reached the job's store; TimeoutError (or the
+    store's own error when its host is gone) after ``timeout``. The bound is this wait's own:
+    the store keeps the job's timeout for what follows."""
+    store = _rendezvous(timeout)
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while arrived < launch.world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{arrived} of {launch.world_size} processes came within "
+                               f"{timeout.total_seconds():.0f} s")
+        time.sleep(0.05)
+        arrived = store.add(key, 0)
+
+
 def forget_rendezvous() -> None:
     """Drops this process's store and device check (in-process restart joins a new world)."""
     global _store, _devices_checked

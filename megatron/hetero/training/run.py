@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import time
+from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
@@ -62,6 +63,18 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     while True:
         if restart is not None:
             restart.begin_plan()
+        if rejoin is not None:
+            missing = _meet_the_replan(launch, args.inprocess_heartbeat_timeout)
+            if missing:  # a member of the re-plan was lost after it was written: the next one
+                where = next(at for at, rank in places(plan).items() if rank == launch.rank)
+                print(f"[{where}] in-process restart: the processes of the re-plan (epoch {rejoin.epoch}) did not "
+                      f"all meet ({missing}); one was lost after the re-plan", flush=True)
+                rejoin = restart.after_loss(plan, launch.rank, where, timeout_s=args.inprocess_barrier_timeout)
+                entered = _enter(rejoin, where, argv, restart)
+                if entered is None:
+                    return
+                launch, args, plan, plan_source = entered
+                continue
         ctx = startup.init_distributed(args, plan, plan_source)
         watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                             exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None,
@@ -104,15 +117,38 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         rejoin = outcome.rejoin or restart.after_loss(plan, launch.rank, where,
                                                       timeout_s=args.inprocess_barrier_timeout,
                                                       named_peers=watchdog.named_peers)
-        restart.epoch = rejoin.epoch
-        variables = launch_environment(rejoin, where)
-        if variables is None:
-            print(f"[{where}] the job's re-plan (epoch {rejoin.epoch}) leaves this process out; it ends", flush=True)
+        entered = _enter(rejoin, where, argv, restart)
+        if entered is None:
             return
-        os.environ.update(variables)
-        launch = distributed.read_launch()
-        job = startup.configure(_with_plan(argv, rejoin.plan), launch.world_size, launch)
-        args, plan, plan_source = job.args, job.plan, job.plan_source
+        launch, args, plan, plan_source = entered
+
+
+def _enter(rejoin: Rejoin, where: str, argv: Sequence[str], restart: InProcessRestart):
+    """This process's launch, flags and plan under the re-plan ``rejoin``; None when the
+    re-plan leaves it out."""
+    restart.epoch = rejoin.epoch
+    variables = launch_environment(rejoin, where)
+    if variables is None:
+        print(f"[{where}] the job's re-plan (epoch {rejoin.epoch}) leaves this process out; it ends", flush=True)
+        return None
+    os.environ.update(variables)
+    launch = distributed.read_launch()
+    job = startup.configure(_with_plan(argv, rejoin.plan), launch.world_size, launch)
+    return launch, job.args, job.plan, job.plan_source
+
+
+def _meet_the_replan(launch: Launch, timeout_s: float) -> str | None:
+    """Whether every process of a re-plan reaches its rendezvous within ``timeout_s`` (the
+    heartbeat timeout: they were all alive when the re-plan was written); None when they do,
+    else what failed. Without this bound a member lost in between (two nodes killed moments
+    apart, the second after it said it waits) held the others in the process groups' set-up
+    for --distributed-timeout-minutes."""
+    try:
+        distributed.wait_for_every_rank(launch, timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError) as err:  # the store's host gone, or a member never came
+        distributed.forget_rendezvous()
+        return str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+    return None
 
 
 def _with_plan(argv: Sequence[str], plan_path: str) -> list[str]:
