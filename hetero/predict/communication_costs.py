@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 
 from hetero.spec.cluster import Cluster, Route
 from hetero.spec.devices import CPU
@@ -265,15 +266,13 @@ class CommunicationCosts:
             self._allreduce_cache[key] = (measured[0] / 2, measured[1] / 2)
             return self._allreduce_cache[key]
         ring = list(hosts) if self.collectives_on_gloo else self._node_by_node(hosts)
-        members: dict[str, int] = {}
-        leaving: dict[str, int] = {}
-        entering: dict[str, int] = {}
-        edges = list(zip(ring, ring[1:] + ring[:1]))
-        for host in ring:
-            members[host] = members.get(host, 0) + 1
-        for a, b in edges:
+        members = Counter(ring)
+        edges = Counter(zip(ring, ring[1:] + ring[:1]))  # each distinct edge priced once
+        leaving, entering = Counter(), Counter()
+        for (a, b), count in edges.items():
             if a != b:
-                leaving[a], entering[b] = leaving.get(a, 0) + 1, entering.get(b, 0) + 1
+                leaving[a] += count
+                entering[b] += count
         slowest, latency = math.inf, 0.0
         for a, b in edges:
             if a == b:
