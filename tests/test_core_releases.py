@@ -1,5 +1,7 @@
 """Checkpoints across the tested megatron-core releases: ours saved under 0.16.1 resume
 under 0.19.2 (and the other way) under a heterogeneous plan, continuing the same training.
+The runs tokenize with GPT-2's BPE, which both releases' Megatron-LM read alike (their
+NullTokenizers count --vocab-size differently: the mock data would differ).
 
 Each side runs in a fresh interpreter on its release: 0.19.2 with the folder `make test`
 installs it into (.core019) first on PYTHONPATH, 0.16.1 with that folder taken off.
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_tokenizers  # noqa: E402
 from conftest import GPT_MODEL, REPO, TRAINING, make_plan, run_pretrain  # noqa: E402
 
 SIX = GPT_MODEL + TRAINING + ["--train-iters", "6"]
@@ -41,8 +44,10 @@ def _environment(release: str) -> dict:
     return {"PYTHONPATH": os.pathsep.join(kept)}
 
 
-def _run(args, release, **kwargs):
+def _run(args, release, tokenizer_dir, **kwargs):
     # a fresh interpreter on the release: the suite's job server runs the release it was started on
+    vocab, merges = tiny_tokenizers.gpt2_bpe_files(tokenizer_dir)
+    args = args + ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab), "--merge-file", str(merges)]
     result = run_pretrain(args, launcher="torchrun", env=_environment(release), **kwargs)
     assert result.returncode == 0, result.output[-3000:]
     assert f"> megatron-core {release} patches applied" in result.stdout, result.stdout[-3000:]
@@ -62,8 +67,8 @@ def _assert_continues(resumed, reference):
 ], ids=["0.16.1-to-0.19.2", "0.19.2-to-0.16.1"])
 def test_a_checkpoint_resumes_under_the_other_release_and_another_plan(saved_by, resumed_by, plan, nproc, tmp_path):
     root = tmp_path / "ckpt"
-    reference = _run(SIX + ["--save", str(root), "--save-interval", "3"], saved_by)
-    resumed = _run(SIX + ["--load", str(root), "--ckpt-step", "3"], resumed_by, nproc=nproc, plan=plan,
-                   tmp_path=tmp_path)
+    reference = _run(SIX + ["--save", str(root), "--save-interval", "3"], saved_by, tmp_path / "gpt2")
+    resumed = _run(SIX + ["--load", str(root), "--ckpt-step", "3"], resumed_by, tmp_path / "gpt2", nproc=nproc,
+                   plan=plan, tmp_path=tmp_path)
     assert "tensors re-sharded" in resumed.stdout
     _assert_continues(resumed, reference)

@@ -81,3 +81,23 @@ def test_core_v0_19_0_rulings_of_the_flags_it_added():
     assert TABLE["--yarn-beta-fast"].status is flags.Status.NOOP
     assert "--moe-paged-stash" in TABLE["--moe-paged-stash-page-size"].reason
     assert TABLE["--async-strategy"].theme == "checkpoint_options"
+
+
+def test_the_null_tokenizer_counts_the_vocabulary_as_the_installed_release_does():
+    """core_v0.19.0's NullTokenizer (megatron-core's) keeps --vocab-size ids, the end of document
+    the last or --null-tokenizer-eod-id, padding --null-tokenizer-pad-id; core_v0.16.1's adds the
+    end of document as one id more. The planner counts it as the runtime builds it, and the
+    tokenizer agrees with megatron-core's own."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as CoreNullTokenizer
+    from megatron.hetero.data import build_tokenizer
+    from hetero.spec.megatron_args import null_tokenizer_ids, parse_megatron_flags, tokenizer_vocab_size
+
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+    for name in ("--null-tokenizer-eod-id", "--null-tokenizer-pad-id"):
+        assert TABLE[name].status is flags.Status.HONOURED, name
+    ours, core = build_tokenizer(parse_args(BASE + null)), CoreNullTokenizer(1000)
+    assert (ours.vocab_size, ours.eod, ours.pad) == (core.vocab_size, core.eod, core.pad_id) == (1000, 999, -1)
+    given = build_tokenizer(parse_args(BASE + null + ["--null-tokenizer-eod-id", "0", "--null-tokenizer-pad-id", "5"]))
+    assert (given.vocab_size, given.eod, given.pad) == (1000, 0, 5)
+    assert tokenizer_vocab_size(parse_megatron_flags(null)) == 1000
+    assert null_tokenizer_ids(1000, tag="core_v0.16.1") == (1001, 1000)

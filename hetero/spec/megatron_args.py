@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from hetero.errors import HeteroError
 from hetero.pipeline_layout import SplitFlags
-from hetero.spec.megatron_tags import facts_file
+from hetero.spec.megatron_tags import facts_file, megatron_tag
 from hetero.spec.model import ModelSpec
 from hetero.spec.recompute import selective as selective_recompute
 
@@ -219,7 +219,8 @@ GPT2_END_OF_DOCUMENT = "<|endoftext|>"
 def tokenizer_vocab_size(flags: MegatronFlags, stated: int | None = None) -> int:
     """The size the run's tokenizer reports, before padding (Megatron-LM's tokenizers):
 
-    - NullTokenizer: --vocab-size ids plus its end-of-document id;
+    - NullTokenizer: --vocab-size ids, plus its end-of-document id under core_v0.16.1
+      (null_tokenizer_ids);
     - GPT2BPETokenizer: the entries of --vocab-file (<|endoftext|> is one of them in
       GPT-2's file; a file without it gets it added as a special token);
     - HuggingFaceTokenizer: len() of the tokenizer --tokenizer-model names, read with the
@@ -233,7 +234,7 @@ def tokenizer_vocab_size(flags: MegatronFlags, stated: int | None = None) -> int
     if kind == "NullTokenizer":
         if flags["vocab_size"] is None:
             raise HeteroError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return flags["vocab_size"] + 1
+        return null_tokenizer_ids(flags["vocab_size"])[0]
     if kind == "GPT2BPETokenizer":
         return _gpt2_vocab_size(flags["vocab_file"])
     if kind == "HuggingFaceTokenizer":
@@ -242,6 +243,17 @@ def tokenizer_vocab_size(flags: MegatronFlags, stated: int | None = None) -> int
         f"hetero-plan cannot count the vocabulary of --tokenizer-type {kind} without loading it "
         f"(it reads {', '.join(COUNTED_TOKENIZERS)}); give the size the tokenizer reports with "
         "hetero-plan --tokenizer-vocab-size N (Megatron-LM pads it as the run does)")
+
+
+def null_tokenizer_ids(vocab_size: int, eod_id: int | None = None, tag: str | None = None) -> tuple[int, int]:
+    """(vocabulary size, end-of-document id) of Megatron-LM's NullTokenizer for --vocab-size
+    under ``tag`` (default: the installed megatron-core's). core_v0.16.1's adds the end of
+    document as one more id (vocab_size + 1 ids, eod vocab_size); from core_v0.19.0 on
+    (megatron-core's NullTokenizer) the vocabulary is vocab_size ids and the end of document
+    its last, or --null-tokenizer-eod-id."""
+    if (tag or megatron_tag()) == "core_v0.16.1":
+        return vocab_size + 1, vocab_size
+    return vocab_size, vocab_size - 1 if eod_id is None else eod_id
 
 
 def _gpt2_vocab_size(path: str | None) -> int:

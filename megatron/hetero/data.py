@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import HeteroError
+from hetero.spec.megatron_args import null_tokenizer_ids
 from hetero.plan import Plan
 from megatron.hetero.patches import import_megatron_core
 
@@ -113,17 +114,21 @@ def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str, use_fast: bool = True,
 
 
 class NullTokenizer:
-    """Megatron's NullTokenizer (synthetic data): ids are the text's integers; the end of
-    document is one id past --vocab-size.
+    """Megatron-LM's NullTokenizer (synthetic data): ids are the text's integers; the
+    vocabulary and the end-of-document id are the installed megatron-core's Megatron-LM's
+    (hetero.spec.megatron_args.null_tokenizer_ids: one id past --vocab-size at core_v0.16.1,
+    the last of --vocab-size ids from core_v0.19.0 on, which also takes
+    --null-tokenizer-eod-id and --null-tokenizer-pad-id).
 
     Ours, not megatron-core's: importing that one imports megatron-core's tokenizer package,
     which imports every tokenizer library installed (transformers, sentencepiece, tiktoken:
     ~1.3 s and ~30 MB in every process) for a tokenizer that needs none of them.
     """
 
-    def __init__(self, vocab_size: int):
-        self.eod = int(vocab_size)
-        self.vocab_size = self.eod + 1
+    def __init__(self, vocab_size: int, eod_id: int | None = None, pad_id: int | None = None):
+        self.vocab_size, self.eod = null_tokenizer_ids(int(vocab_size), eod_id)
+        # megatron-core's datasets mask the labels equal to tokenizer.pad (-1: none, their default)
+        self.pad = -1 if pad_id is None else int(pad_id)
         self.unique_identifiers = {"class": "NullTokenizer", "vocab_size": self.vocab_size}
 
     def tokenize(self, text: str) -> list[int]:
@@ -137,7 +142,8 @@ def build_tokenizer(args: argparse.Namespace):
     """megatron-core's tokenizer factory, fed the Megatron-LM flags it reads."""
     check_tokenizer(args)
     if args.tokenizer_type == "NullTokenizer":
-        return NullTokenizer(args.vocab_size)
+        return NullTokenizer(args.vocab_size, getattr(args, "null_tokenizer_eod_id", None),
+                             getattr(args, "null_tokenizer_pad_id", None))
     from megatron.hetero.core_compat import core_build_tokenizer, tokenizer_options
 
     build = core_build_tokenizer()

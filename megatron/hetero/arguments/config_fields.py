@@ -65,6 +65,7 @@ DATA_BUILDER_FLAGS = (
     # core_v0.19.0's
     "--tokenizer-hf-no-use-fast", "--tokenizer-hf-no-include-special-tokens",
     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces", "--chat-template",
+    "--null-tokenizer-eod-id", "--null-tokenizer-pad-id",  # read by data.NullTokenizer
 )
 
 # Megatron-LM flags that its gpt_builders passes to megatron-core's GPTModel (or, for

@@ -114,12 +114,6 @@ REASONS: dict[str, str] = {
                            "it to a multiple of --make-vocab-size-divisible-by times the tensor-parallel "
                            "degree (the same for every plan of one model) - remove it; "
                            "--make-vocab-size-divisible-by 1 pads the least",
-    "--null-tokenizer-eod-id": "the end-of-document id of Megatron-LM's synthetic NullTokenizer, which "
-                               "Megatron-Hetero's NullTokenizer keeps at --vocab-size; not supported yet "
-                               "- remove it",
-    "--null-tokenizer-pad-id": "the padding id of Megatron-LM's synthetic NullTokenizer, which "
-                               "Megatron-Hetero's NullTokenizer does not have (no token is padding); not "
-                               "supported yet - remove it",
     "--step-batch-size-schedule": "a global batch size that steps up at thresholds of consumed tokens or "
                                   "samples, where Megatron-Hetero's plans fix the global batch; not "
                                   "supported yet - remove it; --global-batch-size sets the batch and "

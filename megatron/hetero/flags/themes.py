@@ -298,7 +298,7 @@ THEME_FLAGS: dict[str, tuple[str, ...]] = {
         "--padded-vocab-size", "--vocab-extra-ids",
         "--legacy-tokenizer",
         # core_v0.19.0's
-        "--no-pad-vocab-size", "--null-tokenizer-eod-id", "--null-tokenizer-pad-id",
+        "--no-pad-vocab-size",
     ),
     "logging_variants": (
         "--log-energy",
