@@ -436,7 +436,7 @@ def test_shutting_the_connections_leaves_no_descriptor_behind():
     1024)."""
     import socket
 
-    from megatron.hetero.restart import _shut_connections
+    from megatron.hetero.restart import shut_connections
 
     read_end, write_end = os.pipe()
     server = socket.create_server(("127.0.0.1", 0))
@@ -444,8 +444,8 @@ def test_shutting_the_connections_leaves_no_descriptor_behind():
     accepted, _ = server.accept()
     try:
         before = len(os.listdir("/proc/self/fd"))
-        _shut_connections()
-        _shut_connections()
+        shut_connections()
+        shut_connections()
         assert len(os.listdir("/proc/self/fd")) == before
         assert accepted.recv(1) == b""  # the connection was shut: the peer sees its end
     finally:
@@ -488,4 +488,39 @@ def test_a_replan_member_that_never_comes_stops_the_meeting_within_its_bound(mon
     started = time.monotonic()
     assert _meet_the_replan(Launch(rank=1, world_size=2), timeout_s=1.0) == "1 of 2 processes came within 1 s"
     assert time.monotonic() - started < 30 and distributed._store is None
+    del host
+
+
+def test_a_replan_whose_groups_cannot_be_set_up_gives_up_at_its_bound(monkeypatch):
+    """The member met, then died before the process groups' rendezvous: the set-up's store
+    wait would last --distributed-timeout-minutes; at the heartbeat timeout the process shuts
+    its connections, the wait fails, and the re-plan is given up for the next one."""
+    import argparse
+    import socket
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hetero.env import Launch
+    from megatron.hetero import distributed, startup
+    from megatron.hetero.training.run import _set_up_replan
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    host.add("hetero/arrived", 1)  # the other member came to the meeting, then died
+    distributed.forget_rendezvous()
+    # the process groups' rendezvous, waiting for the dead member's address
+    monkeypatch.setattr(startup, "init_distributed",
+                        lambda *args: distributed._rendezvous(timedelta(minutes=10)).get("never-published"))
+    started = time.monotonic()
+    ctx, failed = _set_up_replan(argparse.Namespace(inprocess_heartbeat_timeout=1.0), None, None,
+                                 Launch(rank=1, world_size=2))
+    assert ctx is None and failed.startswith("its process groups were not set up within 1 s"), failed
+    assert time.monotonic() - started < 30
+    assert distributed._store is None
     del host

@@ -258,7 +258,7 @@ def teardown() -> None:
     from megatron.hetero.identity import set_this_rank
     from megatron.hetero.model import release_models
 
-    _shut_connections()
+    shut_connections()
     release_models()
     stage_tensor_parallel.use_plan_grid(None)
     template_reduction.forget()
@@ -271,7 +271,7 @@ def teardown() -> None:
     gc.collect()
 
 
-def _shut_connections() -> None:
+def shut_connections() -> None:
     """Shuts every TCP connection of this process (gloo's and the old store's): a peer still
     blocked on one in a collective of the old plan fails at once and follows into the
     recovery. gloo has no abort, and its sockets stay open while anything still refers to a

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -37,7 +38,8 @@ from megatron.hetero.metrics import MetricsWriter
 from megatron.hetero.model import count_parameters
 from megatron.hetero.moe import MoEMetrics
 from megatron.hetero.watchdog import Watchdog
-from megatron.hetero.restart import InProcessRestart, Outcome, launch_environment, said_lost_state, teardown
+from megatron.hetero.restart import (InProcessRestart, Outcome, launch_environment, said_lost_state, shut_connections,
+                                    teardown)
 from megatron.hetero.snapshots import LostState
 from megatron.hetero.training.housekeeping import check_weights_match_across_replicas
 from megatron.hetero.training.loop import Trainer
@@ -63,19 +65,20 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
     while True:
         if restart is not None:
             restart.begin_plan()
-        if rejoin is not None:
-            missing = _meet_the_replan(launch, args.inprocess_heartbeat_timeout)
-            if missing:  # a member of the re-plan was lost after it was written: the next one
+        if rejoin is None:
+            ctx = startup.init_distributed(args, plan, plan_source)
+        else:
+            ctx, failed = _set_up_replan(args, plan, plan_source, launch)
+            if ctx is None:  # a member of the re-plan was lost after it was written: the next one
                 where = next(at for at, rank in places(plan).items() if rank == launch.rank)
-                print(f"[{where}] in-process restart: the processes of the re-plan (epoch {rejoin.epoch}) did not "
-                      f"all meet ({missing}); one was lost after the re-plan", flush=True)
+                print(f"[{where}] in-process restart: {failed} (re-plan of epoch {rejoin.epoch}); one of its "
+                      "processes was lost after the re-plan", flush=True)
                 rejoin = restart.after_loss(plan, launch.rank, where, timeout_s=args.inprocess_barrier_timeout)
                 entered = _enter(rejoin, where, argv, restart)
                 if entered is None:
                     return
                 launch, args, plan, plan_source = entered
                 continue
-        ctx = startup.init_distributed(args, plan, plan_source)
         watchdog = Watchdog(distributed.job_store(), launch.rank, plan, lambda: _resume_hint(args),
                             exit_signal=signal.Signals[args.exit_signal] if args.exit_signal_handler else None,
                             recover=restart is not None,
@@ -137,6 +140,33 @@ def _enter(rejoin: Rejoin, where: str, argv: Sequence[str], restart: InProcessRe
     return launch, job.args, job.plan, job.plan_source
 
 
+def _set_up_replan(args: argparse.Namespace, plan: Plan, plan_source: str | None,
+                   launch: Launch) -> tuple[RankIdentity | None, str]:
+    """This process's groups under a re-plan, its processes met and its groups set up each
+    within the heartbeat timeout; (None, what failed) when they were not. The bounds matter
+    when a member dies between saying it waits and the set-up (two nodes killed moments
+    apart): without them the others waited in the process groups' rendezvous for
+    --distributed-timeout-minutes. A set-up still blocked at the bound has its connections
+    shut, so that the store wait or the library call under way fails at once."""
+    bound_s = args.inprocess_heartbeat_timeout
+    missing = _meet_the_replan(launch, bound_s)
+    if missing:
+        return None, f"its processes did not all meet ({missing})"
+    timer = threading.Timer(bound_s, shut_connections)
+    timer.start()
+    try:
+        return startup.init_distributed(args, plan, plan_source), ""
+    except (RuntimeError, TimeoutError) as err:  # the library's or the store's error
+        teardown()
+        return None, f"its process groups were not set up within {bound_s:.0f} s ({_first_line(err)})"
+    finally:
+        timer.cancel()
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+
+
 def _meet_the_replan(launch: Launch, timeout_s: float) -> str | None:
     """Whether every process of a re-plan reaches its rendezvous within ``timeout_s`` (the
     heartbeat timeout: they were all alive when the re-plan was written); None when they do,
@@ -147,7 +177,7 @@ def _meet_the_replan(launch: Launch, timeout_s: float) -> str | None:
         distributed.wait_for_every_rank(launch, timedelta(seconds=timeout_s))
     except (RuntimeError, TimeoutError) as err:  # the store's host gone, or a member never came
         distributed.forget_rendezvous()
-        return str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        return _first_line(err)
     return None
 
 
