@@ -30,8 +30,9 @@ A rank issues all its groups at once and waits for them (each process group runs
 all-reduce): their bytes share the rank's links, so they take as long as one after the other,
 but their fixed terms (each ring's steps' latencies) overlap - measured on the emulator
 (bench/reduction_bench.py), three groups priced one after the other came out 22% slow. Groups
-of different ranks run at once, sharing the links between fabric groups. Both the predictor (a plan's concrete hosts) and the
-planner's fast estimate (representative hosts of a class) price it here.
+of different ranks run at once, sharing the links between fabric groups. Both the predictor
+(a plan's concrete hosts) and the planner's fast estimate (representative hosts of a class)
+price it here.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def cross_template_reduction(costs: CostModel, layouts: Sequence[TemplateLayout]
     for g in groups:
         for holder in g.holders:
             chain[holder] = chain.get(holder, 0) + 1
-    # Groups of different ranks run at once, each rank's one after the other.
+    # Groups of different ranks run at once; a rank's own share its links, so a link carries
+    # them one after the other.
     crossings = max(1, math.ceil(spanning / max(chain.values())))
     busy: dict[Holder, float] = {}  # a rank's groups' bytes, one group's after the other's
     waits: dict[Holder, float] = {}  # the longest of its groups' fixed terms (they overlap)
