@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -111,9 +110,9 @@ def bench_gemm() -> list[dict]:
 # ----- 2. the hetero backend on CUDA tensors ----------------------------------------------
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from hetero.env import unused_port
+
+    return unused_port()
 
 
 def comm_worker() -> None:

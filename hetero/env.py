@@ -213,6 +213,33 @@ def launch(environ: Mapping[str, str] | None = None) -> Launch | None:
     return Launch(rank, world_size, local, local_size)
 
 
+def unused_port(host: str = "127.0.0.1") -> int:
+    """A TCP port for a job's store (MASTER_PORT) that nothing on `host` holds now.
+
+    Chosen at random below the kernel's ephemeral range, never by binding port 0: that
+    port is an ephemeral one, which any process's outgoing connection (gloo opens many) may
+    take between our check and the store's listen, and the store then fails with
+    EADDRINUSE. Random, so two jobs started at once rarely try the same one.
+    """
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default start
+    first = 10000 if low > 12000 else 1024
+    for port in random.sample(range(first, max(low, first + 1)), k=min(200, max(low - first, 1))):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise HeteroError(f"no TCP port free on {host} in {first}-{low - 1} for the job's store; "
+                      f"set {MASTER_PORT} to a port that is free")
+
+
 def launch_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's launch rank (0 for a process outside a launch)."""
     found = launch(environ)

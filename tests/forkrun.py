@@ -44,9 +44,9 @@ def import_runtime() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from hetero.env import unused_port
+
+    return unused_port()
 
 
 def _end_process(run) -> None:

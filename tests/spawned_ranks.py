@@ -5,13 +5,12 @@ patches applied, and collect their verdicts."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from hetero.env import unused_port
+
+    return unused_port()
 
 
 def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -> None:

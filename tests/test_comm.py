@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +23,9 @@ WORKER = Path(__file__).resolve().parent / "comm_worker.py"
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from hetero.env import unused_port
+
+    return unused_port()
 
 
 def run_world(scenario: str, vendors: list[str], tmp_path: Path, env: dict | None = None,

@@ -144,3 +144,23 @@ def test_only_hetero_env_reads_the_variables():
     source = (REPO / "hetero" / "env.py").read_text()
     named = set(re.findall(r"\"(HETERO_[A-Z_]+)\"", source))
     assert named == {name for name in env.VARIABLES if name.startswith("HETERO_")}
+
+
+def test_a_store_port_is_free_and_outside_the_ephemeral_range():
+    """A port from bind(0) is an ephemeral one, which gloo's outgoing connections in a job
+    running beside this one can take before the store listens (EADDRINUSE)."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral_start = int(ports.read().split()[0])
+    held = []
+    try:
+        for _ in range(20):
+            port = env.unused_port()
+            assert port < ephemeral_start
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port))  # free when handed out: this bind must succeed
+            held.append(sock)
+    finally:
+        for sock in held:
+            sock.close()

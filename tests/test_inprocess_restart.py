@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from conftest import GPT_MODEL, REPO, TRAINING, run_pretrain
+from hetero.env import unused_port
 from hetero.events import CheckpointLoaded, StateRestored, losses, of_kind, read_events
 from hetero.launch.inprocess import Rejoin, finished, place, places, ready, report_finished, report_ready
 from hetero.launch.recovery import new_ranks
@@ -460,16 +461,13 @@ def test_a_replan_member_that_never_comes_stops_the_meeting_within_its_bound(mon
     died. The re-plan's rendezvous gives up after its own bound (the heartbeat timeout), not
     after the process groups' --distributed-timeout-minutes, and the store is forgotten for
     the next re-plan."""
-    import socket
     import time
 
     from hetero.env import Launch
     from megatron.hetero import distributed
     from megatron.hetero.training.run import _meet_the_replan
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = unused_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("RANK", "0")
@@ -496,7 +494,6 @@ def test_a_replan_whose_groups_cannot_be_set_up_gives_up_at_its_bound(monkeypatc
     wait would last --distributed-timeout-minutes; at the heartbeat timeout the process shuts
     its connections, the wait fails, and the re-plan is given up for the next one."""
     import argparse
-    import socket
     import time
     from datetime import timedelta
 
@@ -506,9 +503,7 @@ def test_a_replan_whose_groups_cannot_be_set_up_gives_up_at_its_bound(monkeypatc
     from megatron.hetero import distributed, startup
     from megatron.hetero.training.run import _set_up_replan
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = unused_port()
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,9 +53,7 @@ def read_launch() -> Launch:
     os.environ.update({env.RANK: "0", env.WORLD_SIZE: "1", env.LOCAL_RANK: "0", env.LOCAL_WORLD_SIZE: "1"})
     os.environ.setdefault(env.MASTER_ADDR, "127.0.0.1")
     if env.get(env.MASTER_PORT) is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ[env.MASTER_PORT] = str(sock.getsockname()[1])
+        os.environ[env.MASTER_PORT] = str(env.unused_port())
     return env.launch()
 
 

@@ -146,9 +146,10 @@ class SlurmRunner:
         (command,) = [c for c in node_commands(plan, "", [], script=driver.script,
                                                emulate_devices=driver.emulate_devices) if c.host == host]
         # torchrun on its own (one node, its store on the loopback: a node's name need not
-        # resolve), only to start and watch the node's processes
+        # resolve), only to start and watch the node's processes. Its port is drawn below
+        # Linux's ephemeral range, where no outgoing connection on the node can hold it.
         argv = [driver.python, "-m", "megatron.hetero.launcher", "--nnodes=1", "--node-rank=0",
-                "--master-addr=127.0.0.1", f"--master-port={random.randint(30000, 60000)}",
+                "--master-addr=127.0.0.1", f"--master-port={random.randint(10000, 32767)}",
                 f"--nproc-per-node={len(command.launch_ranks)}", driver.script, "--hetero-plan",
                 str(self.supervisor.run_dir / f"plan-inprocess-{epoch}.json"), *train_args]
         self._start_step(host, argv, {**command.env, REJOIN: str(epoch)}, attempt, events_dir, lines, procs, readers)
