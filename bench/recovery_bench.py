@@ -163,7 +163,7 @@ def spread(values: list[float]) -> float:
 
 def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
     per_run = {"off": [], "on": []}
-    memory, intervals = [], []
+    memory, intervals, snapshot_ms, own_clock = [], [], [], []
     for repeat in range(repeats):
         for mode in ("off", "on"):
             flags = FLAGS + ["--train-iters", str(iters)] + (["--inprocess-restart"] if mode == "on" else [])
@@ -173,12 +173,20 @@ def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
             chosen = re.findall(r"a snapshot every (\d+) iteration", output)
             if chosen:
                 intervals.append(int(chosen[-1]))
+            # The job's own clock: what a snapshot costs per iteration at the interval it chose
+            for took, slowed, iteration, every in re.findall(
+                    r"a snapshot takes (\d+) ms and slows the iteration after it by (-?\d+) ms, an iteration "
+                    r"takes (\d+) ms: a snapshot every (\d+) iteration", output)[-1:]:
+                own_clock.append((int(took) + max(int(slowed), 0)) / int(every) / int(iteration) * 100)
             logged = sorted(of_kind(recorded, Iteration), key=lambda e: e.iteration)[3:]  # past the warm-up
             # The wall time per iteration from the first log line to the last: every iteration
             # and everything between them (a snapshot comes after the logged iteration time, as
             # Megatron-LM's checkpoint time does, and every N iterations: a mean, not a median)
             per_run[mode].append((logged[-1].time - logged[0].time) / (len(logged) - 1))
             memory += [e.host_bytes for e in of_kind(recorded, SnapshotCost)]
+            # each rank's median snapshot, past the plan's first two (taken in full)
+            snapshot_ms += [statistics.median(e.seconds[2:]) * 1e3 for e in of_kind(recorded, SnapshotCost)
+                            if len(e.seconds) > 2]
             print(f"  overhead run {repeat} {mode}: {per_run[mode][-1] * 1e3:.1f} ms per iteration", flush=True)
     ratios = [on / off for on, off in zip(per_run["on"], per_run["off"])]
     return {"iteration_ms_without": statistics.median(per_run["off"]) * 1e3,
@@ -187,6 +195,8 @@ def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
             "overhead_pct_median": (statistics.median(ratios) - 1) * 100,
             "overhead_pct_pairs": [(r - 1) * 100 for r in ratios],
             "snapshot_interval_chosen": intervals,
+            "overhead_pct_by_the_jobs_clock": own_clock,
+            "snapshot_ms_median_per_rank": sorted(snapshot_ms),
             "snapshot_host_mb_per_rank_max": max(memory) / 2**20 if memory else None,
             "snapshot_host_mb_per_rank": sorted(m / 2**20 for m in memory)}
 

@@ -32,6 +32,7 @@ from hetero.launch.recovery import new_ranks
 from hetero.plan import Plan
 from megatron.hetero.snapshots import (Box, LostState, Snapshot, SnapshotStore, flat_range_boxes, own_shard_pieces,
                                       plan_transfers)
+from spawned_ranks import run_on_ranks
 from test_elastic import CLUSTER, _plan, assert_nothing_left, kill_node, supervise
 from tools.emulator import EmulatedCluster
 
@@ -519,3 +520,30 @@ def test_a_replan_whose_groups_cannot_be_set_up_gives_up_at_its_bound(monkeypatc
     assert time.monotonic() - started < 30
     assert distributed._store is None
     del host
+
+
+def _interval_rank(rank: int, world: int) -> None:
+    """Both ranks time the same job: a 10 ms snapshot on rank 1 (2 ms on rank 0), 200 ms
+    iterations, and a slowdown after a snapshot that each rank's clock sees differently
+    (+14 ms and -6 ms: noise around the job's +4 ms)."""
+    import argparse
+
+    from megatron.hetero.restart import InProcessRestart
+
+    restart = InProcessRestart.__new__(InProcessRestart)
+    restart.args = argparse.Namespace(non_persistent_save_interval=None, use_distributed_optimizer=True)
+    restart.store = SnapshotStore()
+    restart.snapshot_seconds = []
+    restart.begin_plan()
+    full, own = 0.15, (0.002, 0.010)[rank]
+    restart.snapshot_seconds = [full, full] + [own] * 5
+    slowed = (0.014, -0.006)[rank]
+    restart._gaps = [(0.2, True), (0.2, True)] + [(0.2 + slowed, True), (0.2, False)] * 5
+    interval = restart.chosen_interval()
+    # cost 10 ms (the slowest snapshot) + 4 ms (the mean slowdown) = 14 ms against 3% of 200 ms
+    assert interval == 3, interval
+
+
+def test_the_default_interval_takes_the_slowest_snapshot_and_the_ranks_mean_slowdown():
+    outcomes = run_on_ranks(_interval_rank, 2, timeout=60)
+    assert outcomes == {0: "ok", 1: "ok"}, outcomes

@@ -28,7 +28,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from statistics import median_high
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ class InProcessRestart:
         self.epoch = int(os.environ.get(REJOIN, "0"))
         self.replicas = args.hetero_snapshot_replicas
         self.store = SnapshotStore()
+        self._buddies: tuple = (None, ([], []))  # (the plan, what buddies() gives under it)
         self.snapshot_seconds: list[float] = []
         self.begin_plan()
 
@@ -127,17 +128,22 @@ class InProcessRestart:
     def chosen_interval(self) -> int:
         """The default interval: the fewest iterations between snapshots that keep their cost
         within SNAPSHOT_BUDGET of the time training takes meanwhile. A snapshot costs its own
-        time and what its copies, travelling meanwhile, add to the iteration after it: measured
-        over the plan's first iterations (past the two snapshots taken in full), the slowest
-        rank's, agreed by every rank."""
+        time (the slowest rank's: the others wait for it at the next collective) and what its
+        copies, travelling meanwhile, add to the iteration after it: measured over the plan's
+        first iterations (past the two snapshots taken in full), agreed by every rank. Every
+        rank times the same iterations of one job, so that slowdown is the ranks' mean; their
+        largest would pick the noisiest rank's difference of two medians, an upward bias."""
         taken = self.snapshot_seconds[self._first_of_plan:][2:] or [0.0]
         timed = self._gaps[2:]  # the iterations after the full snapshots' left out
         after = [gap for gap, snapshotted in timed if snapshotted] or [0.0]
         plain = [gap for gap, snapshotted in timed if not snapshotted] or after
-        measured = torch.tensor([median_high(taken), median_high(after) - median_high(plain), median_high(plain)],
-                                dtype=torch.float64, device=compute_device())  # NCCL reduces GPU tensors only
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        snapshot_s, slowed_s, iteration_s = measured.tolist()
+        device = compute_device()  # NCCL reduces GPU tensors only
+        slowest = torch.tensor([median(taken), median(plain)], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        slowed = torch.tensor([median(after) - median(plain)], dtype=torch.float64, device=device)
+        dist.all_reduce(slowed, op=dist.ReduceOp.SUM)
+        snapshot_s, iteration_s = slowest.tolist()
+        slowed_s = slowed.item() / dist.get_world_size()
         cost_s = snapshot_s + max(slowed_s, 0.0)
         interval = max(1, math.ceil(cost_s / (SNAPSHOT_BUDGET * iteration_s)))
         print_rank_0(f"> in-process restart: a snapshot takes {snapshot_s * 1e3:.0f} ms and slows the iteration "
@@ -151,7 +157,9 @@ class InProcessRestart:
         start = time.perf_counter()
         taken = self.taker.take(iteration, model, optimizer, scheduler)
         self.store.add(taken)
-        send_to, receive_from = buddies(plan, dist.get_rank(), self.replicas)
+        if self._buddies[0] is not plan:  # the ranks a snapshot goes to are the plan's
+            self._buddies = (plan, buddies(plan, dist.get_rank(), self.replicas))
+        send_to, receive_from = self._buddies[1]
         self.store.replicate(send_to, receive_from)
         self.snapshot_seconds.append(time.perf_counter() - start)
 

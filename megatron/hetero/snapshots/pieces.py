@@ -128,25 +128,44 @@ class Snapshot:
 @dataclass
 class Recipe:
     """How this rank takes its snapshot again straight from the live tensors, without building
-    any state dict: each piece's source, in layout order; each take is one copy per dtype."""
+    any state dict: each piece's source, in layout order; each take is one copy per dtype.
+
+    A take runs every snapshot (every iteration by default), so its host work is kept to one
+    slice per piece and one ``torch.cat`` per dtype, outside the CPU emulation's torch-function
+    mode: on a GPU these are host-side copies beside the device's compute, and on the emulator
+    each torch call the mode wraps costs about as much as the copy of a piece."""
 
     boxes: list[Box]
     sources: list[Source]
     dtypes: list[str]
     without_twins: bool = False
 
+    def __post_init__(self) -> None:
+        self._numels = [box.numel for box in self.boxes]
+        self._by_dtype: dict[str, list[int]] = {}  # piece indices per dtype, in layout order
+        for index, dtype in enumerate(self.dtypes):
+            self._by_dtype.setdefault(dtype, []).append(index)
+
     def take(self, iteration: int, common: dict, taken_by: int) -> Snapshot:
-        fetched: dict = {}
-        live: dict[Box, torch.Tensor] = {}
-        for box, source in zip(self.boxes, self.sources):
-            if isinstance(source, torch.Tensor):
-                live[box] = source.detach()
-            else:
-                fetch, key, start, numel = source
-                if fetch not in fetched:  # one fetch per parameter, for all its states
-                    fetched[fetch] = fetch()
-                live[box] = fetched[fetch][key].detach()[start:start + numel]
-        packed = pack(live, self.boxes)
+        with torch._C.DisableTorchFunction():  # host copies only: nothing here names a device
+            fetched: dict = {}
+            flat: list[torch.Tensor] = []
+            for source, numel in zip(self.sources, self._numels):
+                if isinstance(source, torch.Tensor):
+                    flat.append(source.detach().reshape(-1))
+                else:
+                    fetch, key, start, _ = source
+                    if fetch not in fetched:  # one fetch per parameter, for all its states
+                        fetched[fetch] = fetch()
+                    flat.append(fetched[fetch][key].detach().reshape(-1)[start:start + numel])
+            packed = {}
+            for dtype, indices in self._by_dtype.items():
+                parts = [flat[i] for i in indices]
+                buffer = torch.empty(sum(self._numels[i] for i in indices), dtype=parts[0].dtype)
+                if parts[0].device.type == "cpu":
+                    packed[dtype] = torch.cat(parts, out=buffer)
+                else:  # a GPU's tensors: gathered there, then one copy to host memory
+                    packed[dtype] = buffer.copy_(torch.cat(parts))
         return Snapshot(iteration, taken_by, socket.gethostname(), unpack(packed, self.boxes, self.dtypes), common,
                         packed, self.without_twins)
 
@@ -172,9 +191,11 @@ def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]
     """The pieces of packed buffers (``pack``'s inverse): views, no copy."""
     at = dict.fromkeys(buffers, 0)
     pieces = {}
-    for box, dtype in zip(boxes, dtypes):
-        pieces[box] = buffers[dtype][at[dtype]:at[dtype] + box.numel].view(box.shape)
-        at[dtype] += box.numel
+    with torch._C.DisableTorchFunction():  # views of host buffers (Recipe.take says why)
+        for box, dtype in zip(boxes, dtypes):
+            numel = box.numel
+            pieces[box] = buffers[dtype][at[dtype]:at[dtype] + numel].view(box.shape)
+            at[dtype] += numel
     return pieces
 
 

@@ -28,6 +28,7 @@ class SnapshotStore:
         # What every rank's snapshot holds (boxes, dtypes), the same at every iteration of
         # one plan: exchanged at the first snapshot under each plan (None: not yet).
         self.layouts: list | None = None
+        self._receive_sizes: dict[int, dict[str, int]] = {}  # elements per dtype each peer sends
         # The copies under way (their transfers overlap the next iteration): (works, iteration,
         # the receive buffers by sender, the senders' headers).
         self.in_flight: tuple | None = None
@@ -94,10 +95,11 @@ class SnapshotStore:
         self.settle()  # the previous generation's copies first: one generation under way at a time
         own = self.own[self.newest]
         boxes = list(own.pieces)  # in the packed buffers' order
-        header = {"host": own.host, "boxes": boxes, "dtypes": [str(own.pieces[b].dtype) for b in boxes]}
         if self.layouts is None:  # the first snapshot under this plan (every rank alike)
+            header = {"host": own.host, "boxes": boxes, "dtypes": [str(own.pieces[b].dtype) for b in boxes]}
             self.layouts = [None] * dist.get_world_size(group)
             dist.all_gather_object(self.layouts, header, group=group)
+            self._receive_sizes = {}
         headers = self.layouts
         packed = own.packed if own.packed is not None else pack(own.pieces, boxes)
         ops = []
@@ -105,10 +107,12 @@ class SnapshotStore:
         for peer in send_to:  # one message per dtype
             ops += [dist.P2POp(dist.isend, packed[dtype], peer, group) for dtype in sorted(packed)]
         for peer in receive_from:
-            theirs = headers[peer]
-            sizes: dict[str, int] = {}
-            for box, dtype in zip(theirs["boxes"], theirs["dtypes"]):
-                sizes[dtype] = sizes.get(dtype, 0) + box.numel
+            if peer not in self._receive_sizes:  # what a peer sends is the same all plan long
+                sizes: dict[str, int] = {}
+                for box, dtype in zip(headers[peer]["boxes"], headers[peer]["dtypes"]):
+                    sizes[dtype] = sizes.get(dtype, 0) + box.numel
+                self._receive_sizes[peer] = sizes
+            sizes = self._receive_sizes[peer]
             received[peer] = {dtype: torch.empty(sizes[dtype], dtype=_dtype(dtype)) for dtype in sorted(sizes)}
             ops += [dist.P2POp(dist.irecv, received[peer][dtype], peer, group) for dtype in sorted(sizes)]
         works = dist.batch_isend_irecv(ops) if ops else []
