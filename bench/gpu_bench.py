@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from hetero.env import EVENTS_DIR, VENDOR, per_local_rank_value, launch as launch_of_this_process  # noqa: E402
+from hetero.env import (EVENTS_DIR, VENDOR, per_local_rank_value, launch as launch_of_this_process,  # noqa: E402
+                        unused_port)
 from hetero.events import Iteration, Memory, iteration_times_s, of_kind, read_events  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -108,11 +109,6 @@ def bench_gemm() -> list[dict]:
 
 
 # ----- 2. the hetero backend on CUDA tensors ----------------------------------------------
-
-def free_port() -> int:
-    from hetero.env import unused_port
-
-    return unused_port()
 
 
 def comm_worker() -> None:
@@ -183,7 +179,7 @@ def comm_worker() -> None:
 
 
 def bench_comm() -> dict:
-    port, procs = free_port(), []
+    port, procs = unused_port(), []
     for rank, vendor in enumerate(("nvidia", "amd")):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), VENDOR: vendor}

@@ -33,6 +33,8 @@ import sys
 import time
 import traceback
 
+from hetero.env import unused_port
+
 GRACE_S = 30.0  # what a failed rank's peers get to stop by themselves (the watchdog's bound)
 
 
@@ -42,11 +44,6 @@ def import_runtime() -> None:
 
     gc.freeze()  # forks inherit these objects; no collection walks them again
 
-
-def _free_port() -> int:
-    from hetero.env import unused_port
-
-    return unused_port()
 
 
 def _end_process(run) -> None:
@@ -74,7 +71,7 @@ def run_job(nproc: int, argv: list[str]) -> int:
     """The job's exit code; its ranks are forks of this process."""
     if nproc == 1:  # as `python pretrain_gpt.py`: no launcher variables
         return _pretrain(argv)
-    port = _free_port()
+    port = unused_port()
     children = {}
     for rank in range(nproc):
         pid = os.fork()

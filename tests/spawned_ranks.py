@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import multiprocessing
 
+from hetero.env import unused_port
 
-def free_port() -> int:
-    from hetero.env import unused_port
-
-    return unused_port()
 
 
 def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -> None:
@@ -38,7 +35,7 @@ def run_on_ranks(target, world: int, *args, timeout: float = 120) -> dict[int, s
     """target(rank, world, *args) on `world` spawned gloo ranks. Returns {rank: "ok" or
     what went wrong}."""
     context = multiprocessing.get_context("spawn")
-    results, port = context.Queue(), free_port()
+    results, port = context.Queue(), unused_port()
     ranks = [context.Process(target=_rank_main, args=(target, rank, world, port, args, results))
              for rank in range(world)]
     for process in ranks:

@@ -17,21 +17,17 @@ import pytest
 import torch.distributed as dist
 
 from conftest import GPT_MODEL, TRAINING, assert_same_training, make_plan, run_pretrain
+from hetero.env import unused_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "comm_worker.py"
 
 
-def _free_port() -> int:
-    from hetero.env import unused_port
-
-    return unused_port()
-
 
 def run_world(scenario: str, vendors: list[str], tmp_path: Path, env: dict | None = None,
               timeout: float = 150) -> list[dict]:
     """Starts one worker per vendor label (rank order) and returns their reports."""
-    port = _free_port()
+    port = unused_port()
     procs = []
     for rank, vendor in enumerate(vendors):
         rank_env = {
