@@ -140,32 +140,19 @@ class Recipe:
     dtypes: list[str]
     without_twins: bool = False
 
-    def __post_init__(self) -> None:
-        self._numels = [box.numel for box in self.boxes]
-        self._by_dtype: dict[str, list[int]] = {}  # piece indices per dtype, in layout order
-        for index, dtype in enumerate(self.dtypes):
-            self._by_dtype.setdefault(dtype, []).append(index)
-
     def take(self, iteration: int, common: dict, taken_by: int) -> Snapshot:
         with torch._C.DisableTorchFunction():  # host copies only: nothing here names a device
             fetched: dict = {}
             flat: list[torch.Tensor] = []
-            for source, numel in zip(self.sources, self._numels):
+            for source in self.sources:
                 if isinstance(source, torch.Tensor):
                     flat.append(source.detach().reshape(-1))
                 else:
-                    fetch, key, start, _ = source
+                    fetch, key, start, numel = source
                     if fetch not in fetched:  # one fetch per parameter, for all its states
                         fetched[fetch] = fetch()
                     flat.append(fetched[fetch][key].detach().reshape(-1)[start:start + numel])
-            packed = {}
-            for dtype, indices in self._by_dtype.items():
-                parts = [flat[i] for i in indices]
-                buffer = torch.empty(sum(self._numels[i] for i in indices), dtype=parts[0].dtype)
-                if parts[0].device.type == "cpu":
-                    packed[dtype] = torch.cat(parts, out=buffer)
-                else:  # a GPU's tensors: gathered there, then one copy to host memory
-                    packed[dtype] = buffer.copy_(torch.cat(parts))
+        packed = _pack_flat(flat)
         return Snapshot(iteration, taken_by, socket.gethostname(), unpack(packed, self.boxes, self.dtypes), common,
                         packed, self.without_twins)
 
@@ -181,10 +168,25 @@ def box_order(box: Box) -> tuple:
 
 def pack(pieces: dict[Box, torch.Tensor], boxes: list[Box]) -> dict[str, torch.Tensor]:
     """The pieces in ``boxes`` order, copied into one flat host-memory buffer per dtype."""
+    return _pack_flat([pieces[box].reshape(-1) for box in boxes])
+
+
+def _pack_flat(flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """1-D tensors, in order, copied into one host-memory buffer per dtype (one copy each:
+    a GPU's are gathered there first). Outside the CPU emulation's torch-function mode
+    (Recipe.take says why); nothing here names a device."""
     parts: dict[str, list[torch.Tensor]] = {}
-    for box in boxes:
-        parts.setdefault(str(pieces[box].dtype), []).append(pieces[box].reshape(-1))
-    return {dtype: torch.cat(tensors).to("cpu") for dtype, tensors in parts.items()}
+    packed = {}
+    with torch._C.DisableTorchFunction():
+        for tensor in flat:
+            parts.setdefault(str(tensor.dtype), []).append(tensor)
+        for dtype, tensors in parts.items():
+            buffer = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+            if tensors[0].device.type == "cpu":
+                packed[dtype] = torch.cat(tensors, out=buffer)
+            else:
+                packed[dtype] = buffer.copy_(torch.cat(tensors))
+    return packed
 
 
 def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]) -> dict[Box, torch.Tensor]:
