@@ -209,6 +209,7 @@ class JobServer:
                 connection.connect(self.path)
                 connection.sendall(b'{"stop": true}\n')
             self.proc.wait(timeout=30)
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
 _job_server: JobServer | None = None

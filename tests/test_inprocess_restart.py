@@ -176,6 +176,18 @@ def test_a_recipe_takes_the_live_tensors_again_packed_one_buffer_per_dtype():
     assert torch.equal(second.pieces[boxes[0]], weight) and second.pieces[boxes[1]].tolist() == [[4.0, 6.0]]
     assert first.pieces[boxes[1]].tolist() == [[2.0, 3.0]]
     assert not _same_snapshot(first, second) and _same_snapshot(second, recipe.take(2, first.common, taken_by=0))
+    # The live tensors' memory replaced (as `param.data = ...` or a reloaded optimizer does):
+    # the views made at the first take are made again; a take into a dropped generation's
+    # buffers fills those and leaves the held snapshots alone.
+    weight.set_(torch.full((2, 3), 7.0))
+    shard = torch.full((4,), 5.0, dtype=torch.float64)
+    third = recipe.take(3, first.common, taken_by=0, into=first.packed)
+    assert torch.equal(third.pieces[boxes[0]], weight) and third.pieces[boxes[1]].tolist() == [[5.0, 5.0]]
+    assert all(third.packed[d].data_ptr() == first.packed[d].data_ptr() for d in first.packed)
+    assert second.pieces[boxes[1]].tolist() == [[4.0, 6.0]]
+    wrong = {"torch.float32": torch.empty(5)}  # another length: not taken into
+    assert recipe.take(4, first.common, taken_by=0, into=wrong).packed["torch.float32"].data_ptr() != wrong[
+        "torch.float32"].data_ptr()
 
 
 def test_the_store_keeps_three_generations_and_a_copy_only_once_complete():
@@ -187,6 +199,17 @@ def test_the_store_keeps_three_generations_and_a_copy_only_once_complete():
     assert [s.iteration for s in store.held(3)] == [3, 3]
     store.add(Snapshot(3, 0, "a", {}))  # iteration 3 taken again (after a restore from 2)
     assert 3 not in store.copies, "copies of an earlier take of the iteration must not mix in"
+
+
+def test_a_dropped_generations_buffers_are_handed_out_once_for_the_next_snapshot():
+    store = SnapshotStore()
+    buffers = {}
+    for iteration in (1, 2, 3, 4):
+        buffers[iteration] = {"torch.float32": torch.zeros(2)}
+        store.add(Snapshot(iteration, 0, "a", {}, packed=buffers[iteration]))
+        assert store.recycled() is (buffers[iteration - 3] if iteration > 3 else None)
+    assert store.recycled() is None, "given out once"
+    assert all(store.own[i].packed is buffers[i] for i in (2, 3, 4)), "the held ones untouched"
 
 
 def test_survivors_keep_their_devices_under_the_re_plan(tmp_path):

@@ -155,7 +155,7 @@ class InProcessRestart:
     def snapshot(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         """This rank's state into host memory, and a copy to ranks on other nodes."""
         start = time.perf_counter()
-        taken = self.taker.take(iteration, model, optimizer, scheduler)
+        taken = self.taker.take(iteration, model, optimizer, scheduler, into=self.store.recycled())
         self.store.add(taken)
         if self._buddies[0] is not plan:  # the ranks a snapshot goes to are the plan's
             self._buddies = (plan, buddies(plan, dist.get_rank(), self.replicas))

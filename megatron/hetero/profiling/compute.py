@@ -59,7 +59,7 @@ PLACEHOLDER_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
 def _init_world() -> None:
     if env.launch() is None:  # one process: a world of one on a free local port
         os.environ.update({env.RANK: "0", env.LOCAL_RANK: "0", env.WORLD_SIZE: "1",
-                           env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(29000 + os.getpid() % 1000)})
+                           env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(env.unused_port())})
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 

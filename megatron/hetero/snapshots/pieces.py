@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -115,14 +116,15 @@ class Snapshot:
     iteration: int
     taken_by: int                  # the logical rank that took it, in the world it was taken in
     host: str
-    pieces: dict[Box, torch.Tensor] = field(default_factory=dict)
+    pieces: Mapping[Box, torch.Tensor] = field(default_factory=dict)
     common: dict = field(default_factory=dict)
     packed: dict[str, torch.Tensor] | None = None
     without_twins: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pieces.values())
+        held = self.packed.values() if self.packed is not None else self.pieces.values()
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 @dataclass
@@ -130,29 +132,47 @@ class Recipe:
     """How this rank takes its snapshot again straight from the live tensors, without building
     any state dict: each piece's source, in layout order; each take is one copy per dtype.
 
-    A take runs every snapshot (every iteration by default), so its host work is kept to one
-    slice per piece and one ``torch.cat`` per dtype, outside the CPU emulation's torch-function
-    mode: on a GPU these are host-side copies beside the device's compute, and on the emulator
-    each torch call the mode wraps costs about as much as the copy of a piece."""
+    A take runs every snapshot (every iteration by default), so its host work is kept small:
+    each piece's flat view of its live tensor is made once and kept while that tensor's memory
+    stays where it was (one pointer compared per piece), one ``torch.cat`` per dtype copies
+    them into buffers a dropped generation left (``into``; fresh memory faults in every page,
+    which cost 80% of a take here), all outside the CPU emulation's torch-function mode: on a
+    GPU these are host-side copies beside the device's compute, and on the emulator each torch
+    call the mode wraps costs about as much as the copy of a piece."""
 
     boxes: list[Box]
     sources: list[Source]
     dtypes: list[str]
     without_twins: bool = False
+    # Per piece: the memory address its view was made at, and the view (made at the first take).
+    _views: list = field(default_factory=list, repr=False, compare=False)
 
-    def take(self, iteration: int, common: dict, taken_by: int) -> Snapshot:
+    def take(self, iteration: int, common: dict, taken_by: int,
+             into: dict[str, torch.Tensor] | None = None) -> Snapshot:
+        if not self._views:
+            self._views = [(None, None)] * len(self.sources)
         with torch._C.DisableTorchFunction():  # host copies only: nothing here names a device
             fetched: dict = {}
             flat: list[torch.Tensor] = []
-            for source in self.sources:
+            for i, source in enumerate(self.sources):
                 if isinstance(source, torch.Tensor):
-                    flat.append(source.detach().reshape(-1))
+                    live = source
                 else:
                     fetch, key, start, numel = source
                     if fetch not in fetched:  # one fetch per parameter, for all its states
                         fetched[fetch] = fetch()
-                    flat.append(fetched[fetch][key].detach().reshape(-1)[start:start + numel])
-        packed = _pack_flat(flat)
+                    live = fetched[fetch][key]
+                address, view = self._views[i]
+                if address != live.data_ptr() or view is None:
+                    view = live.detach().reshape(-1)
+                    if not isinstance(source, torch.Tensor):
+                        view = view[start:start + numel]
+                    # A view stays valid while its tensor's memory stays put (the view keeps
+                    # that memory alive, so no other tensor can take its address); a reshape
+                    # that had to copy is no view and is made again at every take.
+                    self._views[i] = (live.data_ptr(), view) if live.is_contiguous() else (None, None)
+                flat.append(view)
+        packed = _pack_flat(flat, into)
         return Snapshot(iteration, taken_by, socket.gethostname(), unpack(packed, self.boxes, self.dtypes), common,
                         packed, self.without_twins)
 
@@ -171,17 +191,21 @@ def pack(pieces: dict[Box, torch.Tensor], boxes: list[Box]) -> dict[str, torch.T
     return _pack_flat([pieces[box].reshape(-1) for box in boxes])
 
 
-def _pack_flat(flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def _pack_flat(flat: list[torch.Tensor], into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """1-D tensors, in order, copied into one host-memory buffer per dtype (one copy each:
-    a GPU's are gathered there first). Outside the CPU emulation's torch-function mode
-    (Recipe.take says why); nothing here names a device."""
+    a GPU's are gathered there first): ``into``'s, where it has one of that dtype and length.
+    Outside the CPU emulation's torch-function mode (Recipe.take says why); nothing here names
+    a device."""
     parts: dict[str, list[torch.Tensor]] = {}
     packed = {}
     with torch._C.DisableTorchFunction():
         for tensor in flat:
             parts.setdefault(str(tensor.dtype), []).append(tensor)
         for dtype, tensors in parts.items():
-            buffer = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+            numel = sum(t.numel() for t in tensors)
+            buffer = (into or {}).get(dtype)
+            if buffer is None or buffer.numel() != numel or buffer.dtype != tensors[0].dtype:
+                buffer = torch.empty(numel, dtype=tensors[0].dtype)
             if tensors[0].device.type == "cpu":
                 packed[dtype] = torch.cat(tensors, out=buffer)
             else:
@@ -189,16 +213,36 @@ def _pack_flat(flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return packed
 
 
-def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]) -> dict[Box, torch.Tensor]:
-    """The pieces of packed buffers (``pack``'s inverse): views, no copy."""
-    at = dict.fromkeys(buffers, 0)
-    pieces = {}
-    with torch._C.DisableTorchFunction():  # views of host buffers (Recipe.take says why)
-        for box, dtype in zip(boxes, dtypes):
-            numel = box.numel
-            pieces[box] = buffers[dtype][at[dtype]:at[dtype] + numel].view(box.shape)
-            at[dtype] += numel
-    return pieces
+def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]) -> Mapping[Box, torch.Tensor]:
+    """The pieces of packed buffers (``pack``'s inverse): views, no copy, made when first
+    looked at (most snapshots are dropped unread; their boxes are known without them)."""
+    return PackedPieces(buffers, boxes, dtypes)
+
+
+class PackedPieces(Mapping):
+    """A snapshot's pieces as views of its packed buffers, in layout order (``unpack``)."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]) -> None:
+        self._buffers, self._boxes, self._dtypes = buffers, boxes, dtypes
+        self._views: dict[Box, torch.Tensor] | None = None
+
+    def __iter__(self) -> Iterator[Box]:
+        return iter(self._boxes)
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        if self._views is None:
+            at = dict.fromkeys(self._buffers, 0)
+            views = {}
+            with torch._C.DisableTorchFunction():  # views of host buffers (Recipe.take says why)
+                for each, dtype in zip(self._boxes, self._dtypes):
+                    numel = each.numel
+                    views[each] = self._buffers[dtype][at[dtype]:at[dtype] + numel].view(each.shape)
+                    at[dtype] += numel
+            self._views = views
+        return self._views[box]
 
 
 # The distributed optimizer's copy of model tensor K (its main parameter) is the sharded

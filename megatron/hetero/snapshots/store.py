@@ -32,6 +32,10 @@ class SnapshotStore:
         # The copies under way (their transfers overlap the next iteration): (works, iteration,
         # the receive buffers by sender, the senders' headers).
         self.in_flight: tuple | None = None
+        # The buffers of the generation dropped last, its own and its copies' by sender: the
+        # next snapshot is taken, and the next copies received, into them (``recycled``).
+        self._spare_own: dict[str, torch.Tensor] | None = None
+        self._spare_copies: dict[int, dict[str, torch.Tensor]] = {}
 
     def held(self, iteration: int | None = None) -> list[Snapshot]:
         """Every snapshot held (of ``iteration`` only, when given)."""
@@ -53,12 +57,23 @@ class SnapshotStore:
         self.own[snapshot.iteration] = snapshot
         self.copies.pop(snapshot.iteration, None)  # copies of an earlier take of this iteration
         for old in sorted(self.own)[:-self.KEPT]:
-            self.own.pop(old)
-            self.copies.pop(old, None)
+            # A dropped generation's transfers ended long ago (each rank settles a
+            # generation's copies before it posts the next): its memory can be reused.
+            self._spare_own = self.own.pop(old).packed
+            self._spare_copies = {peer: copy.packed for peer, copy in self.copies.pop(old, {}).items()
+                                  if copy.packed is not None}
+
+    def recycled(self) -> dict[str, torch.Tensor] | None:
+        """The buffers of this rank's own snapshot dropped last, for the next one to be taken
+        into (given out once): a snapshot every iteration would otherwise fault in fresh
+        memory for each, page by page, which cost 80% of a take on a CPU."""
+        spare, self._spare_own = self._spare_own, None
+        return spare
 
     def clear(self) -> None:
         self.own.clear()
         self.copies.clear()
+        self._spare_own, self._spare_copies = None, {}
 
     def settle(self, block: bool = True) -> None:
         """Keeps the copies under way once every transfer of them finished (block: waits for
@@ -112,8 +127,9 @@ class SnapshotStore:
                 for box, dtype in zip(headers[peer]["boxes"], headers[peer]["dtypes"]):
                     sizes[dtype] = sizes.get(dtype, 0) + box.numel
                 self._receive_sizes[peer] = sizes
-            sizes = self._receive_sizes[peer]
-            received[peer] = {dtype: torch.empty(sizes[dtype], dtype=_dtype(dtype)) for dtype in sorted(sizes)}
+            sizes, spare = self._receive_sizes[peer], self._spare_copies.pop(peer, {})
+            received[peer] = {dtype: spare[dtype] if dtype in spare and spare[dtype].numel() == sizes[dtype]
+                              else torch.empty(sizes[dtype], dtype=_dtype(dtype)) for dtype in sorted(sizes)}
             ops += [dist.P2POp(dist.irecv, received[peer][dtype], peer, group) for dtype in sorted(sizes)]
         works = dist.batch_isend_irecv(ops) if ops else []
         arrived, failures = threading.Event(), []

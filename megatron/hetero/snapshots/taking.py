@@ -41,9 +41,12 @@ class SnapshotTaker:
         # Model tensors left out where the optimizer's main parameters hold them (None: not yet known).
         self.without_twins: bool | None = None
 
-    def take(self, iteration: int, model, optimizer, scheduler) -> Snapshot:
+    def take(self, iteration: int, model, optimizer, scheduler,
+             into: dict[str, torch.Tensor] | None = None) -> Snapshot:
+        """This rank's snapshot; from the live tensors (once the recipe is checked) into the
+        buffers ``into``, where they fit (a dropped generation's: SnapshotStore.recycled)."""
         if self.recipe is not None and self.recipe_checked:
-            return self.retake(iteration, optimizer, scheduler)
+            return self.retake(iteration, optimizer, scheduler, into)
         if self.per_rank is None:
             try:
                 taken, recipe, sharded = self.in_full(iteration, model, optimizer, scheduler, per_rank=True)
@@ -85,14 +88,15 @@ class SnapshotTaker:
             without_twins = self.without_twins is not False  # tried first, then checked
             return (*take(sharded, common, iteration, own_shards, without_twins), sharded)
 
-    def retake(self, iteration: int, optimizer, scheduler) -> Snapshot:
+    def retake(self, iteration: int, optimizer, scheduler,
+               into: dict[str, torch.Tensor] | None = None) -> Snapshot:
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.hetero.checkpointing import common_state_for_memory
 
         with snapshot_in_progress(parameter_state=False):
             _, fresh = save_preprocess(common_state_for_memory(optimizer, scheduler, self.args),
                                        validate_access_integrity=False)
-        return self.recipe.take(iteration, _refreshed(self.template, fresh), dist.get_rank())
+        return self.recipe.take(iteration, _refreshed(self.template, fresh), dist.get_rank(), into)
 
 
 def _refreshed(template, fresh):
