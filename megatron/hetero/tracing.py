@@ -6,10 +6,13 @@ schedule functions, wrapped by the "schedule-step-timing" patch), the gradient r
 optimizer step. Each rank writes trace-rank<logical rank>.json there:
 
     {"rank": 5, "tp_rank": 0, "pp_rank": 1, "dp_rank": 0, "host": "b0", "device_type": "...",
-     "spans": [["F", 0, start_s, end_s], ["B", 0, ...], ["reduce", null, ...], ["step", null, ...]]}
+     "spans": [["F", 0, start_s, end_s], ["B", 0, ...], ["reduce", null, ...], ["step", null, ...]],
+     "span_cpu_s": [0.081, 0.122, ...]}
 
 Times are seconds from the iteration's start, taken right after a barrier; all ranks of an
-emulated cluster share one clock (CLOCK_MONOTONIC).
+emulated cluster share one clock (CLOCK_MONOTONIC). ``span_cpu_s`` is the CPU time the rank's
+own thread spent in each span: a step that took longer than its profile, on the same CPU
+time, waited (for its CPU quota, a core, a peer); on more, it did more work.
 
 ``BUSY`` measures every training iteration on every rank, for ``--hetero-adapt``: the time
 from the schedule's start to the gradient reduction, and the forward and backward steps'
@@ -31,6 +34,7 @@ class IterationTrace:
         self.recording = False
         self.origin = 0.0
         self.spans: list[list] = []
+        self.span_cpu: list[float] = []
         self._counts: dict[str, int] = {}
 
     # Read when asked, not at import: a process forked from one that imported this module
@@ -48,7 +52,7 @@ class IterationTrace:
         return bool(self.directory)
 
     def begin(self) -> None:
-        self.recording, self.spans, self._counts = True, [], {}
+        self.recording, self.spans, self.span_cpu, self._counts = True, [], [], {}
         self.origin = time.monotonic()
 
     @contextmanager
@@ -60,18 +64,19 @@ class IterationTrace:
         if numbered:
             index = self._counts.get(kind, 0)
             self._counts[kind] = index + 1
-        start = time.monotonic() - self.origin
+        start, cpu = time.monotonic() - self.origin, time.thread_time()
         try:
             yield
         finally:
             self.spans.append([kind, index, start, time.monotonic() - self.origin])
+            self.span_cpu.append(time.thread_time() - cpu)
 
     def end(self, rank: int, facts: dict) -> None:
         self.recording = False
         directory = Path(self.directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"trace-rank{rank}.json"
-        path.write_text(json.dumps({"rank": rank, **facts, "spans": self.spans}))
+        path.write_text(json.dumps({"rank": rank, **facts, "spans": self.spans, "span_cpu_s": self.span_cpu}))
 
 
 TRACE = IterationTrace()
