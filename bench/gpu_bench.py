@@ -110,7 +110,6 @@ def bench_gemm() -> list[dict]:
 
 # ----- 2. the hetero backend on CUDA tensors ----------------------------------------------
 
-
 def comm_worker() -> None:
     """One rank: every collective on CUDA tensors over the cross-vendor bridge."""
     import torch.distributed as dist

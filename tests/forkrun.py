@@ -45,7 +45,6 @@ def import_runtime() -> None:
     gc.freeze()  # forks inherit these objects; no collection walks them again
 
 
-
 def _end_process(run) -> None:
     """Runs run() -> exit code as a process's whole life: never returns to the caller."""
     try:

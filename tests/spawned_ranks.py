@@ -9,7 +9,6 @@ import multiprocessing
 from hetero.env import unused_port
 
 
-
 def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -> None:
     """One rank's life: the process group, the patches, target(rank, world, *args), and
     (rank, "ok" or what went wrong) on results for the parent to report."""

@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "comm_worker.py"
 
 
-
 def run_world(scenario: str, vendors: list[str], tmp_path: Path, env: dict | None = None,
               timeout: float = 150) -> list[dict]:
     """Starts one worker per vendor label (rank order) and returns their reports."""

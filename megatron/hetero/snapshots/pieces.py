@@ -163,7 +163,7 @@ class Recipe:
                         fetched[fetch] = fetch()
                     live = fetched[fetch][key]
                 address, view = self._views[i]
-                if address != live.data_ptr() or view is None:
+                if address != live.data_ptr():  # (None, None) before the first take
                     view = live.detach().reshape(-1)
                     if not isinstance(source, torch.Tensor):
                         view = view[start:start + numel]
@@ -202,15 +202,22 @@ def _pack_flat(flat: list[torch.Tensor], into: dict[str, torch.Tensor] | None = 
         for tensor in flat:
             parts.setdefault(str(tensor.dtype), []).append(tensor)
         for dtype, tensors in parts.items():
-            numel = sum(t.numel() for t in tensors)
-            buffer = (into or {}).get(dtype)
-            if buffer is None or buffer.numel() != numel or buffer.dtype != tensors[0].dtype:
-                buffer = torch.empty(numel, dtype=tensors[0].dtype)
+            buffer = buffer_from(into, tensors[0].dtype, sum(t.numel() for t in tensors))
             if tensors[0].device.type == "cpu":
                 packed[dtype] = torch.cat(tensors, out=buffer)
             else:
                 packed[dtype] = buffer.copy_(torch.cat(tensors))
     return packed
+
+
+def buffer_from(spare: dict[str, torch.Tensor] | None, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A host buffer of ``numel`` elements of ``dtype``: ``spare``'s of that dtype where its
+    length fits (a dropped generation's, reused: fresh memory faults in every page), else a
+    new one."""
+    buffer = (spare or {}).get(str(dtype))
+    if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
+        return torch.empty(numel, dtype=dtype)
+    return buffer
 
 
 def unpack(buffers: dict[str, torch.Tensor], boxes: list[Box], dtypes: list[str]) -> Mapping[Box, torch.Tensor]:

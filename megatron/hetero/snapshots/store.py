@@ -7,7 +7,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron.hetero.snapshots.pieces import Snapshot, pack, unpack
+from megatron.hetero.snapshots.pieces import Snapshot, buffer_from, pack, unpack
 
 
 class SnapshotStore:
@@ -128,8 +128,7 @@ class SnapshotStore:
                     sizes[dtype] = sizes.get(dtype, 0) + box.numel
                 self._receive_sizes[peer] = sizes
             sizes, spare = self._receive_sizes[peer], self._spare_copies.pop(peer, {})
-            received[peer] = {dtype: spare[dtype] if dtype in spare and spare[dtype].numel() == sizes[dtype]
-                              else torch.empty(sizes[dtype], dtype=_dtype(dtype)) for dtype in sorted(sizes)}
+            received[peer] = {dtype: buffer_from(spare, _dtype(dtype), sizes[dtype]) for dtype in sorted(sizes)}
             ops += [dist.P2POp(dist.irecv, received[peer][dtype], peer, group) for dtype in sorted(sizes)]
         works = dist.batch_isend_irecv(ops) if ops else []
         arrived, failures = threading.Event(), []
