@@ -174,10 +174,10 @@ def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
             if chosen:
                 intervals.append(int(chosen[-1]))
             # The job's own clock: what a snapshot costs per iteration at the interval it chose
-            for took, slowed, iteration, every in re.findall(
-                    r"a snapshot takes (\d+) ms and slows the iteration after it by (-?\d+) ms, an iteration "
-                    r"takes (\d+) ms: a snapshot every (\d+) iteration", output)[-1:]:
-                own_clock.append((int(took) + max(int(slowed), 0)) / int(every) / int(iteration) * 100)
+            for added, iteration, every in re.findall(
+                    r"a snapshot takes \d+ ms and adds (-?\d+) \+- \d+ ms to the time between iteration "
+                    r"boundaries, an iteration takes (\d+) ms: a snapshot every (\d+) iteration", output)[-1:]:
+                own_clock.append(int(added) / int(every) / int(iteration) * 100)
             logged = sorted(of_kind(recorded, Iteration), key=lambda e: e.iteration)[3:]  # past the warm-up
             # The wall time per iteration from the first log line to the last: every iteration
             # and everything between them (a snapshot comes after the logged iteration time, as

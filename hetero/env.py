@@ -42,6 +42,7 @@ DEVICE = "HETERO_DEVICE"
 VENDOR = "HETERO_VENDOR"
 EMULATED_HOST = "HETERO_EMULATED_HOST"
 EMULATOR_CGROUPS = "HETERO_EMULATOR_CGROUPS"
+EMULATOR_HOST_CGROUPS = "HETERO_EMULATOR_HOST_CGROUPS"
 EMULATOR_CPUS = "HETERO_EMULATOR_CPUS"
 CPU_KEEP_FREED_MEMORY = "HETERO_CPU_KEEP_FREED_MEMORY"
 TRACE_DIR = "HETERO_TRACE_DIR"
@@ -67,6 +68,7 @@ VARIABLES: dict[str, str] = {
     VENDOR: "this process's vendor for --distributed-backend hetero, per local rank",
     EMULATED_HOST: "the host the job knows this process by (set by tools/emulator)",
     EMULATOR_CGROUPS: "the CPU-quota cgroup each local rank joins (set by tools/emulator)",
+    EMULATOR_HOST_CGROUPS: "the cgroup without quota for each local rank's host-side work (set by tools/emulator)",
     EMULATOR_CPUS: "the core each local rank is pinned to (set by tools/emulator)",
     CPU_KEEP_FREED_MEMORY: "1: CPU ranks keep freed memory for reuse as a GPU's allocator does; "
                            "0 (default): it goes back to the OS",
@@ -274,6 +276,11 @@ def host(environ: Mapping[str, str] | None = None) -> str:
 def emulator_cgroup(environ: Mapping[str, str] | None = None) -> str | None:
     """The cgroup directory this local rank joins on an emulated node."""
     return per_local_rank(EMULATOR_CGROUPS, environ)
+
+
+def emulator_host_cgroup(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cgroup this local rank's host-side work runs in on an emulated node (no quota)."""
+    return per_local_rank(EMULATOR_HOST_CGROUPS, environ)
 
 
 def emulator_cpu(environ: Mapping[str, str] | None = None) -> int | None:

@@ -90,6 +90,51 @@ def test_a_capped_rank_is_slower_by_its_quota():
     assert 3.4 <= wall / cpu <= 6.0, f"wall {wall:.2f} s for {cpu:.2f} s of CPU at a 25% quota"
 
 
+HOST_WORK = """
+import os, threading
+from megatron.hetero.cpu_device import host_work
+from tools.emulator.cpu_quota import join
+
+join(os.environ["HETERO_EMULATOR_CGROUPS"])  # after the imports: they take seconds at a tenth of a core
+
+def cpu_cgroup(tid):
+    with open(f"/proc/self/task/{tid}/cgroup") as lines:
+        return next(line.split(":")[2].strip() for line in lines if line.split(":")[1] == "cpu")
+
+def throttled():
+    with open(os.environ["HETERO_EMULATOR_CGROUPS"] + "/cpu.stat") as stat:
+        return int(dict(line.split() for line in stat)["nr_throttled"])
+
+me = threading.get_native_id()
+before = cpu_cgroup(me)
+with host_work():
+    inside, started = cpu_cgroup(me), []
+    thread = threading.Thread(target=lambda: started.append(cpu_cgroup(threading.get_native_id())))
+    thread.start(); thread.join()
+    periods = throttled()
+    x = 0
+    for i in range(2_000_000): x += i
+    throttled_inside = throttled() - periods
+print(before, inside, started[0], cpu_cgroup(me), throttled_inside, flush=True)
+"""
+
+
+def test_host_work_runs_beside_the_ranks_quota_and_the_threads_it_starts_stay_there():
+    run_id = 90000 + os.getpid() % 9000
+    with CpuQuotas(run_id, [0.1]) as quotas:
+        device, host = quotas.path(0), quotas.host_path(0)
+        env = {**os.environ, "LOCAL_RANK": "0", "HETERO_EMULATOR_CGROUPS": str(device),
+               "HETERO_EMULATOR_HOST_CGROUPS": str(host)}
+        result = subprocess.run([sys.executable, "-c", HOST_WORK], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert not _leftovers(run_id)
+    before, inside, started, after, throttled_inside = result.stdout.split()
+    assert (before, inside, started, after) == (f"/{device.name}", f"/{host.name}", f"/{host.name}", f"/{device.name}")
+    # The work inside ran where no quota applies: the rank's quota never bound meanwhile.
+    assert throttled_inside == "0"
+
+
 @pytest.mark.slow
 def test_a_job_runs_across_namespaces_and_everything_is_removed():
     cluster = Cluster.load(REPO / "examples" / "clusters" / "cpu_demo.yaml")

@@ -545,10 +545,9 @@ def test_a_replan_whose_groups_cannot_be_set_up_gives_up_at_its_bound(monkeypatc
     del host
 
 
-def _interval_rank(rank: int, world: int) -> None:
-    """Both ranks time the same job: a 10 ms snapshot on rank 1 (2 ms on rank 0), 200 ms
-    iterations, and a slowdown after a snapshot that each rank's clock sees differently
-    (+14 ms and -6 ms: noise around the job's +4 ms)."""
+def _chosen(rank: int, added: tuple[float, float], jitter: tuple[float, float]) -> int:
+    """The interval rank ``rank`` of two chooses when each rank sees a snapshot add ``added``
+    to the time between two iteration boundaries of 200 ms, each gap moved by +-``jitter``."""
     import argparse
 
     from megatron.hetero.restart import InProcessRestart
@@ -558,15 +557,28 @@ def _interval_rank(rank: int, world: int) -> None:
     restart.store = SnapshotStore()
     restart.snapshot_seconds = []
     restart.begin_plan()
-    full, own = 0.15, (0.002, 0.010)[rank]
-    restart.snapshot_seconds = [full, full] + [own] * 5
-    slowed = (0.014, -0.006)[rank]
-    restart._gaps = [(0.2, True), (0.2, True)] + [(0.2 + slowed, True), (0.2, False)] * 5
-    interval = restart.chosen_interval()
-    # cost 10 ms (the slowest snapshot) + 4 ms (the mean slowdown) = 14 ms against 3% of 200 ms
-    assert interval == 3, interval
+    restart.snapshot_seconds = [0.15, 0.15] + [0.004] * 7
+    signs = [1, -1, 0, 1, -1, 1, -1]
+    after = [(0.2 + added[rank] + jitter[rank] * sign, True) for sign in signs]
+    plain = [(0.2 + jitter[rank] * -sign, False) for sign in signs]
+    restart._gaps = [(0.35, True), (0.35, True)] + [gap for pair in zip(plain, after) for gap in pair]
+    return restart.chosen_interval()
 
 
-def test_the_default_interval_takes_the_slowest_snapshot_and_the_ranks_mean_slowdown():
+def _interval_rank(rank: int, world: int) -> None:
+    """Both ranks time the same job (200 ms iterations, a budget of 6 ms per snapshot)."""
+    # A snapshot adds 14 ms on one rank's clock and 6 ms on the other's, with next to no
+    # noise: the ranks' mean, 10 ms, is shown, and two iterations' budget covers it.
+    assert _chosen(rank, (0.014, 0.006), (0.0005, 0.0005)) == 2
+    # Three times the budget, in gaps that vary by a tenth of that: every 3 iterations.
+    assert _chosen(rank, (0.018, 0.018), (0.002, 0.002)) == 3
+    # The same 10 ms mean in gaps that vary by +-20 ms: no evidence of a cost beyond the
+    # noise, the default every iteration.
+    assert _chosen(rank, (0.014, 0.006), (0.02, 0.02)) == 1
+    # Within the budget: every iteration.
+    assert _chosen(rank, (0.005, 0.003), (0.0, 0.0)) == 1
+
+
+def test_the_default_interval_is_one_unless_the_ranks_mean_cost_is_shown_beyond_its_noise():
     outcomes = run_on_ranks(_interval_rank, 2, timeout=60)
     assert outcomes == {0: "ok", 1: "ok"}, outcomes

@@ -22,7 +22,9 @@ Nothing here is active on a process that has a GPU.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -301,3 +303,29 @@ def substitution_note(done: list[str]) -> str | None:
     if not done:
         return None
     return "GPU-only choices run as their CPU equivalents on this process: " + "; ".join(done)
+
+
+@contextmanager
+def host_work() -> Iterator[None]:
+    """Runs the calling thread's work inside as a GPU's host does it, beside the device.
+
+    On an emulated node a rank's CPU quota stands for its device's speed, and everything the
+    rank does is charged to it. Some work a GPU rank leaves to its host while the GPU
+    computes: a snapshot's copy to host memory and its messages to another node (DMA
+    engines, the host's cores, the NIC). Inside, the calling thread runs in the rank's host
+    cgroup (no quota, an ordinary process's weight, so it never takes a device's quota from
+    it; tools/emulator/cpu_quota.py), and threads it starts stay there (a process group
+    made inside keeps its gloo threads there). Elsewhere, and where the emulator gave no
+    host cgroup, nothing changes."""
+    host, device = env.emulator_host_cgroup(), env.emulator_cgroup()
+    if not host or not device:
+        yield
+        return
+    thread = str(threading.get_native_id())
+    with open(os.path.join(host, "tasks"), "w") as tasks:  # tens of microseconds
+        tasks.write(thread)
+    try:
+        yield
+    finally:
+        with open(os.path.join(device, "tasks"), "w") as tasks:
+            tasks.write(thread)

@@ -1,9 +1,9 @@
 """In-process restart (--inprocess-restart): the state in memory, and a lost node survived
 without restarting a process.
 
-Every --non-persistent-save-interval iterations (by default: as often as costs at most
-SNAPSHOT_BUDGET of the iteration time, measured at the start; every iteration where a
-snapshot is that cheap) each rank snapshots its part of the model, optimizer and scheduler
+Every --non-persistent-save-interval iterations (by default every iteration, unless the plan's
+first iterations show that to cost more than SNAPSHOT_BUDGET of the time; then as often as
+keeps within it) each rank snapshots its part of the model, optimizer and scheduler
 state into host memory (its own shard of the distributed optimizer's state, no gather; after
 the plan's first two snapshots, straight from the live tensors) and sends a copy to ranks on
 other nodes (``--hetero-snapshot-replicas``, default 1; snapshots/). When a node is lost, the survivors'
@@ -40,6 +40,7 @@ from hetero.launch.inprocess import (CONTROL_DIR, REJOIN, Rejoin, launch_environ
 from hetero.plan import Plan
 from megatron.hetero import snapshots
 from megatron.hetero.agreement import every_rank
+from megatron.hetero.cpu_device import host_work
 from megatron.hetero.identity import compute_device
 from megatron.hetero.log import print_rank_0
 from megatron.hetero.snapshots import LostState, SnapshotStore, box_of
@@ -48,7 +49,7 @@ from megatron.hetero.snapshots.taking import SnapshotTaker
 
 SNAPSHOT_BUDGET = 0.03  # of the iteration time, for the default interval between snapshots
 REJOIN_CHECK_EVERY = 10  # iterations, at most, between two looks for a re-plan (a returned node)
-MEASURED_ITERATIONS = 12  # a plan's first iterations, timed with and without a snapshot before them
+MEASURED_ITERATIONS = 16  # a plan's first iterations, timed with and without a snapshot before them
 
 
 @dataclass
@@ -76,6 +77,7 @@ class InProcessRestart:
         """A new plan (the first, or a re-plan): the interval between snapshots is
         --non-persistent-save-interval, or measured afresh by every rank of the plan alike."""
         self.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
+        self._copies_group = None  # made at the plan's first snapshot or restore (copies_group)
         self.taker = SnapshotTaker(self.args)  # how this plan's snapshots are taken
         self.interval = self.args.non_persistent_save_interval or 1
         self.interval_measured = self.args.non_persistent_save_interval is None
@@ -107,9 +109,10 @@ class InProcessRestart:
 
     def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         self.store.settle(block=False)  # the last snapshot's copies, if they arrived meanwhile
+        now = time.perf_counter()
         self._boundaries += 1
         if self._since is not None:
-            self._gaps.append((time.perf_counter() - self._since, self._snapshotted_last))
+            self._gaps.append((now - self._since, self._snapshotted_last))
         if self.interval_measured and self._boundaries == MEASURED_ITERATIONS:
             self.interval = self.chosen_interval()
             self.interval_measured = False
@@ -123,45 +126,61 @@ class InProcessRestart:
         if due:
             self.snapshot(iteration, model, optimizer, scheduler, plan)
         self._snapshotted_last = due
-        self._since = time.perf_counter()
+        self._since = now  # the next gap holds this boundary's snapshot, if any, and the iteration after it
 
     def chosen_interval(self) -> int:
-        """The default interval: the fewest iterations between snapshots that keep their cost
-        within SNAPSHOT_BUDGET of the time training takes meanwhile. A snapshot costs its own
-        time (the slowest rank's: the others wait for it at the next collective) and what its
-        copies, travelling meanwhile, add to the iteration after it: measured over the plan's
-        first iterations (past the two snapshots taken in full), agreed by every rank. Every
-        rank times the same iterations of one job, so that slowdown is the ranks' mean; their
-        largest would pick the noisiest rank's difference of two medians, an upward bias."""
+        """The default interval: every iteration, unless the plan's first iterations show a
+        snapshot to cost more than SNAPSHOT_BUDGET of an iteration; then the fewest
+        iterations between snapshots that keep it within. A snapshot costs what it adds to
+        the time from one iteration boundary to the next: its own time, where no other rank
+        waits on this one anyway, and what its copies, travelling meanwhile, take from the
+        iteration after it. Measured as the difference between the median gap with a snapshot
+        and without (past the two snapshots taken in full), the ranks' mean: every rank times
+        the same iterations of one job. A difference within twice its standard error is no
+        evidence of a cost: iteration times vary by more than the budget, and a few samples'
+        noise would otherwise raise the interval as often as a cost does."""
         taken = self.snapshot_seconds[self._first_of_plan:][2:] or [0.0]
-        timed = self._gaps[2:]  # the iterations after the full snapshots' left out
+        timed = self._gaps[2:]  # the gaps holding the full snapshots left out
         after = [gap for gap, snapshotted in timed if snapshotted] or [0.0]
         plain = [gap for gap, snapshotted in timed if not snapshotted] or after
         device = compute_device()  # NCCL reduces GPU tensors only
         slowest = torch.tensor([median(taken), median(plain)], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        slowed = torch.tensor([median(after) - median(plain)], dtype=torch.float64, device=device)
-        dist.all_reduce(slowed, op=dist.ReduceOp.SUM)
+        mean = torch.tensor([median(after) - median(plain), _standard_error(after, plain)], dtype=torch.float64,
+                            device=device)
+        dist.all_reduce(mean, op=dist.ReduceOp.SUM)
         snapshot_s, iteration_s = slowest.tolist()
-        slowed_s = slowed.item() / dist.get_world_size()
-        cost_s = snapshot_s + max(slowed_s, 0.0)
-        interval = max(1, math.ceil(cost_s / (SNAPSHOT_BUDGET * iteration_s)))
-        print_rank_0(f"> in-process restart: a snapshot takes {snapshot_s * 1e3:.0f} ms and slows the iteration "
-                     f"after it by {slowed_s * 1e3:.0f} ms, an iteration takes {iteration_s * 1e3:.0f} ms: a "
-                     f"snapshot every {interval} iteration{'s' if interval > 1 else ''}, within "
-                     f"{SNAPSHOT_BUDGET:.0%} of the time (--non-persistent-save-interval N to choose)")
+        cost_s, error_s = (value / dist.get_world_size() for value in mean.tolist())
+        shown_s = max(cost_s - 2 * error_s, 0.0)  # the cost the measurement shows beyond its noise
+        interval = max(1, math.ceil(shown_s / (SNAPSHOT_BUDGET * iteration_s)))
+        print_rank_0(f"> in-process restart: a snapshot takes {snapshot_s * 1e3:.0f} ms and adds {cost_s * 1e3:.0f} "
+                     f"+- {error_s * 1e3:.0f} ms to the time between iteration boundaries, an iteration takes "
+                     f"{iteration_s * 1e3:.0f} ms: a snapshot every {interval} iteration{'s' if interval > 1 else ''}, "
+                     f"within {SNAPSHOT_BUDGET:.0%} of the time (--non-persistent-save-interval N to choose)")
         return interval
 
     def snapshot(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
         """This rank's state into host memory, and a copy to ranks on other nodes."""
         start = time.perf_counter()
-        taken = self.taker.take(iteration, model, optimizer, scheduler, into=self.store.recycled())
-        self.store.add(taken)
-        if self._buddies[0] is not plan:  # the ranks a snapshot goes to are the plan's
-            self._buddies = (plan, buddies(plan, dist.get_rank(), self.replicas))
-        send_to, receive_from = self._buddies[1]
-        self.store.replicate(send_to, receive_from)
+        with host_work():  # a GPU's host copies and sends while the device computes
+            taken = self.taker.take(iteration, model, optimizer, scheduler, into=self.store.recycled())
+            self.store.add(taken)
+            if self._buddies[0] is not plan:  # the ranks a snapshot goes to are the plan's
+                self._buddies = (plan, buddies(plan, dist.get_rank(), self.replicas))
+            send_to, receive_from = self._buddies[1]
+            self.store.replicate(send_to, receive_from, self.copies_group())
         self.snapshot_seconds.append(time.perf_counter() - start)
+
+    def copies_group(self):
+        """The process group snapshots travel in (the plan's every rank, made by all alike at
+        the plan's first snapshot or restore): gloo, as they are host memory whatever the
+        job's backend (NCCL sends device memory only), and apart from the training's groups,
+        so its threads can do host work (cpu_device.host_work) and its messages do not queue
+        behind theirs."""
+        if self._copies_group is None:
+            with host_work():  # its threads stay where they were started
+                self._copies_group = dist.new_group(backend="gloo")
+        return self._copies_group
 
     def restore(self, model, optimizer, scheduler) -> int:
         """Every rank's state from the snapshots the ranks hold (collective); returns the
@@ -177,7 +196,7 @@ class InProcessRestart:
         sharded, _ = extract_sharded_base(sharded)
         wanted = [t for t in nested_values(sharded) if isinstance(t, ShardedTensor)]
         targets = {box_of(t): torch.empty(box_of(t).shape, dtype=t.dtype) for t in wanted}
-        iteration, common = snapshots.restore(self.store, targets)
+        iteration, common = snapshots.restore(self.store, targets, self.copies_group())
         device = _device_of(model)
 
         def filled(value):
@@ -249,6 +268,17 @@ def buddies(plan: Plan, logical_rank: int, replicas: int) -> tuple[list[int], li
         return chosen
 
     return targets(logical_rank), [r for r in range(plan.world_size) if logical_rank in targets(r)]
+
+
+def _standard_error(after: list[float], plain: list[float]) -> float:
+    """The standard error of the difference of the two samples' medians, from their median
+    absolute deviations (robust: a throttled or interrupted iteration is one outlier)."""
+    def error(sample: list[float]) -> float:
+        centre = median(sample)
+        deviation = median(abs(x - centre) for x in sample) * 1.4826  # as a standard deviation
+        return 1.2533 * deviation / math.sqrt(len(sample))  # a median's, of a normal sample
+
+    return math.hypot(error(after), error(plain))
 
 
 def _device_of(model) -> torch.device:

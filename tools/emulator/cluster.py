@@ -214,6 +214,8 @@ class EmulatedCluster:
             variables["GLOO_SOCKET_IFNAME"] = node.device
             variables[hetero_env.EMULATOR_CGROUPS] = hetero_env.per_local_rank_value(
                 [str(self._quotas.path(r)) for r in ranks], hetero_env.EMULATOR_CGROUPS)
+            variables[hetero_env.EMULATOR_HOST_CGROUPS] = hetero_env.per_local_rank_value(
+                [str(self._quotas.host_path(r)) for r in ranks], hetero_env.EMULATOR_HOST_CGROUPS)
             variables[hetero_env.EMULATOR_CPUS] = hetero_env.per_local_rank_value(
                 [str(self.cpu_of_rank[r]) for r in ranks], hetero_env.EMULATOR_CPUS)
         command = [*prefix, sys.executable, "-m", "torch.distributed.run",

@@ -2,6 +2,13 @@
 
 A rank joins its cgroup itself before it starts the training script (rank_entry.py), so
 every thread it creates - gloo's included - counts against the quota.
+
+Each rank also has a host cgroup beside it, an ordinary process's weight and no quota (it
+runs when the devices leave a core free, never in their time): the work a GPU's
+host does while the GPU computes (a snapshot's copy to host memory and its messages to
+other nodes: DMA engines, the CPU and the NIC, not the device's cores) runs there on the
+emulator (megatron.hetero.cpu_device.host_work moves a thread in and out), so that it is not
+charged to the emulated device's speed.
 """
 
 from __future__ import annotations
@@ -60,6 +67,10 @@ class CpuQuotas:
     def path(self, launch_rank: int) -> Path:
         return CPU_CGROUP / f"hetero-{self.run_id}-r{launch_rank}"
 
+    def host_path(self, launch_rank: int) -> Path:
+        """The rank's host cgroup (module docstring): no quota, the kernel's weight."""
+        return CPU_CGROUP / f"hetero-{self.run_id}-r{launch_rank}-host"
+
     def __enter__(self) -> "CpuQuotas":
         try:
             for rank, fraction in enumerate(self.fractions):
@@ -71,6 +82,8 @@ class CpuQuotas:
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
                 if self.shares:
                     (path / "cpu.shares").write_text(str(self.shares))
+                self.host_path(rank).mkdir()  # the kernel's weight: below every device's
+                self.paths.append(self.host_path(rank))
         except OSError as err:
             self.remove()
             raise HeteroError(f"emulator: cannot create CPU cgroups under {CPU_CGROUP}: {err}") from None
@@ -80,14 +93,15 @@ class CpuQuotas:
         self.remove()
 
     def remove(self) -> None:
-        root_procs = CPU_CGROUP / "cgroup.procs"
+        root_tasks = CPU_CGROUP / "tasks"
         deadline = time.monotonic() + REMOVE_WAIT_S
         for path in reversed(self.paths):
             while True:
                 try:
-                    for pid in (path / "cgroup.procs").read_text().split():
+                    # Thread by thread: a host cgroup holds single threads of a rank.
+                    for tid in (path / "tasks").read_text().split():
                         try:
-                            root_procs.write_text(pid)
+                            root_tasks.write_text(tid)
                         except OSError:  # exited meanwhile
                             pass
                     path.rmdir()
