@@ -174,10 +174,11 @@ def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
             if chosen:
                 intervals.append(int(chosen[-1]))
             # The job's own clock: what a snapshot costs per iteration at the interval it chose
-            for added, iteration, every in re.findall(
-                    r"a snapshot takes \d+ ms and adds (-?\d+) \+- \d+ ms to the time between iteration "
+            for added, error, iteration, every in re.findall(
+                    r"a snapshot takes \d+ ms and adds (-?\d+) \+- (\d+) ms to the time between iteration "
                     r"boundaries, an iteration takes (\d+) ms: a snapshot every (\d+) iteration", output)[-1:]:
-                own_clock.append(int(added) / int(every) / int(iteration) * 100)
+                scale = 100 / int(every) / int(iteration)
+                own_clock.append((int(added) * scale, int(error) * scale))
             logged = sorted(of_kind(recorded, Iteration), key=lambda e: e.iteration)[3:]  # past the warm-up
             # The wall time per iteration from the first log line to the last: every iteration
             # and everything between them (a snapshot comes after the logged iteration time, as
@@ -195,7 +196,9 @@ def overhead(plan_path: Path, workdir: Path, repeats: int, iters: int) -> dict:
             "overhead_pct_median": (statistics.median(ratios) - 1) * 100,
             "overhead_pct_pairs": [(r - 1) * 100 for r in ratios],
             "snapshot_interval_chosen": intervals,
-            "overhead_pct_by_the_jobs_clock": own_clock,
+            # what the job measured over its first iterations, and that measurement's standard error
+            "overhead_pct_by_the_jobs_clock": [round(pct, 2) for pct, _ in own_clock],
+            "overhead_pct_by_the_jobs_clock_error": [round(err, 2) for _, err in own_clock],
             "snapshot_ms_median_per_rank": sorted(snapshot_ms),
             "snapshot_host_mb_per_rank_max": max(memory) / 2**20 if memory else None,
             "snapshot_host_mb_per_rank": sorted(m / 2**20 for m in memory)}

@@ -212,6 +212,32 @@ def test_a_dropped_generations_buffers_are_handed_out_once_for_the_next_snapshot
     assert all(store.own[i].packed is buffers[i] for i in (2, 3, 4)), "the held ones untouched"
 
 
+def test_a_snapshot_taken_beside_training_is_waited_for_and_its_error_reaches_the_training_loop():
+    import threading
+
+    from megatron.hetero.restart import InProcessRestart, _Background
+
+    restart = InProcessRestart.__new__(InProcessRestart)
+    restart._taking, restart.snapshot_seconds = None, [0.001]
+    restart.finish_snapshot()  # nothing being taken: returns at once
+    release, done = threading.Event(), []
+    restart._taking = _Background(lambda: (release.wait(), done.append(True)))
+    threading.Timer(0.2, release.set).start()
+    restart.finish_snapshot()  # the step must not change what is still being copied
+    assert done == [True] and restart._taking is None
+    assert restart.snapshot_seconds[0] >= 0.15  # the wait counts to the snapshot's time
+
+    def lost_peer():
+        raise RuntimeError("a snapshot copy failed: Connection reset by peer")
+
+    restart._taking = _Background(lost_peer)
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        restart.finish_snapshot()
+    restart._taking = _Background(lost_peer)
+    restart.finish_snapshot(raise_error=False)  # after a loss: the recovery takes over
+    assert restart._taking is None
+
+
 def test_survivors_keep_their_devices_under_the_re_plan(tmp_path):
     old = Plan.load(_plan(tmp_path))
     assert places(old) == {"node-fast:0": 0, "node-fast:1": 1, "node-slow:0": 2, "node-slow:1": 3}

@@ -6,7 +6,10 @@ first iterations show that to cost more than SNAPSHOT_BUDGET of the time; then a
 keeps within it) each rank snapshots its part of the model, optimizer and scheduler
 state into host memory (its own shard of the distributed optimizer's state, no gather; after
 the plan's first two snapshots, straight from the live tensors) and sends a copy to ranks on
-other nodes (``--hetero-snapshot-replicas``, default 1; snapshots/). When a node is lost, the survivors'
+other nodes (``--hetero-snapshot-replicas``, default 1; snapshots/). From the live tensors on the
+CPU, the copy and its messages run on a thread beside the next iteration's forward and backward,
+as a GPU's copies to host memory run beside its compute; the optimizer's step, which changes
+what it copies, waits for it. When a node is lost, the survivors'
 collectives fail; each survivor records where it stands (hetero/launch/inprocess.py:
 ``report_ready``) and waits for the job's supervisor to re-plan for the nodes left
 (``Rejoin``). Then, in the same process: the process groups and megatron-core's parallel
@@ -26,6 +29,7 @@ import copy
 import gc
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from statistics import median
@@ -78,6 +82,9 @@ class InProcessRestart:
         --non-persistent-save-interval, or measured afresh by every rank of the plan alike."""
         self.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
         self._copies_group = None  # made at the plan's first snapshot or restore (copies_group)
+        self._taking: _Background | None = None  # a snapshot being taken beside training
+        self._looked_beside = False  # the snapshot just taken looks for a re-plan beside training
+        self._agreed: Rejoin | None = None  # a re-plan every rank saw, found beside training
         self.taker = SnapshotTaker(self.args)  # how this plan's snapshots are taken
         self.interval = self.args.non_persistent_save_interval or 1
         self.interval_measured = self.args.non_persistent_save_interval is None
@@ -108,6 +115,7 @@ class InProcessRestart:
     # ----- snapshots ------------------------------------------------------------------
 
     def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
+        self.finish_snapshot()  # (taken before the step: waits for nothing)
         self.store.settle(block=False)  # the last snapshot's copies, if they arrived meanwhile
         now = time.perf_counter()
         self._boundaries += 1
@@ -160,16 +168,51 @@ class InProcessRestart:
         return interval
 
     def snapshot(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
-        """This rank's state into host memory, and a copy to ranks on other nodes."""
+        """This rank's state into host memory, and a copy to ranks on other nodes. Taken from
+        the live tensors on the CPU, the copy runs beside the next iteration (module docstring)."""
         start = time.perf_counter()
-        with host_work():  # a GPU's host copies and sends while the device computes
-            taken = self.taker.take(iteration, model, optimizer, scheduler, into=self.store.recycled())
-            self.store.add(taken)
-            if self._buddies[0] is not plan:  # the ranks a snapshot goes to are the plan's
-                self._buddies = (plan, buddies(plan, dist.get_rank(), self.replicas))
-            send_to, receive_from = self._buddies[1]
-            self.store.replicate(send_to, receive_from, self.copies_group())
+        self.finish_snapshot()  # one at a time: the store is the taking thread's meanwhile
+        if self._buddies[0] is not plan:  # the ranks a snapshot goes to are the plan's
+            self._buddies = (plan, buddies(plan, dist.get_rank(), self.replicas))
+        send_to, receive_from = self._buddies[1]
+        group = self.copies_group()
+        if self.taker.live and _device_of(model).type == "cpu":
+            # The tensors it copies change only at the next optimizer step, which waits for it
+            # (finish_snapshot); what else changes there (the scheduler, the param groups) is
+            # taken now. On a GPU the copy to host memory is synchronous today.
+            common, into, rank = self.taker.common(optimizer, scheduler), self.store.recycled(), dist.get_rank()
+            seen = Rejoin.load(self.control_dir, self.epoch + 1)
+
+            def take_and_send() -> None:
+                with host_work():  # a GPU's host copies and sends while the device computes
+                    self.store.add(self.taker.recipe.take(iteration, common, rank, into))
+                    self.store.replicate(send_to, receive_from, group)
+                    # The look for a re-plan that follows each snapshot (at_boundary), here
+                    # beside training too: its answer is read at the next boundary.
+                    if every_rank(seen is not None, group):
+                        self._agreed = seen
+
+            self._taking = _Background(take_and_send)
+            self._looked_beside = True
+        else:
+            with host_work():
+                self.store.add(self.taker.take(iteration, model, optimizer, scheduler, into=self.store.recycled()))
+                self.store.replicate(send_to, receive_from, group)
         self.snapshot_seconds.append(time.perf_counter() - start)
+
+    def finish_snapshot(self, raise_error: bool = True) -> None:
+        """Waits for a snapshot being taken beside training (before the state it copies
+        changes, or the store is read); the wait counts to the snapshot's time. Its error (a
+        peer lost while its copies were posted) is raised here, in the training loop."""
+        if self._taking is None:
+            return
+        start, taking = time.perf_counter(), self._taking
+        self._taking = None
+        error = taking.wait()
+        if self.snapshot_seconds:
+            self.snapshot_seconds[-1] += time.perf_counter() - start
+        if error is not None and raise_error:
+            raise error
 
     def copies_group(self):
         """The process group snapshots travel in (the plan's every rank, made by all alike at
@@ -220,11 +263,19 @@ class InProcessRestart:
         one is written (every rank then snapshots this iteration, if it has not, and stops).
         A re-plan is looked for after each snapshot (the generations the store keeps rely on
         that collective) and every REJOIN_CHECK_EVERY iterations, not after every iteration:
-        one collective over the whole job fewer per iteration."""
+        one collective over the whole job fewer per iteration. A snapshot taken beside
+        training looks beside it too (an all-reduce that would hold every rank up at the
+        boundary, a throttled peer's period per step on the emulator), and a re-plan it finds
+        is taken at the next boundary."""
+        self.finish_snapshot()  # the last one's look for a re-plan included
+        agreed, self._agreed, self._looked_beside = self._agreed, None, False
         self.after_iteration(iteration, model, optimizer, scheduler, plan)
-        if not self._snapshotted_last and iteration % REJOIN_CHECK_EVERY:
+        if agreed is not None:
+            rejoin = agreed
+        elif self._looked_beside or (not self._snapshotted_last and iteration % REJOIN_CHECK_EVERY):
             return None
-        rejoin = self.planned_rejoin()
+        else:
+            rejoin = self.planned_rejoin()
         if rejoin is not None:
             if not self._snapshotted_last:  # nothing done since the last snapshot may be lost
                 self.snapshot(iteration, model, optimizer, scheduler, plan)
@@ -268,6 +319,26 @@ def buddies(plan: Plan, logical_rank: int, replicas: int) -> tuple[list[int], li
         return chosen
 
     return targets(logical_rank), [r for r in range(plan.world_size) if logical_rank in targets(r)]
+
+
+class _Background:
+    """A function run on a thread of its own; ``wait`` returns the exception it raised, if any."""
+
+    def __init__(self, function) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                function()
+            except BaseException as err:  # noqa: BLE001 - handed to the training loop by wait()
+                self.error = err
+
+        self.thread = threading.Thread(target=run, name="hetero-snapshot", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> BaseException | None:
+        self.thread.join()
+        return self.error
 
 
 def _standard_error(after: list[float], plain: list[float]) -> float:

@@ -45,7 +45,7 @@ class SnapshotTaker:
              into: dict[str, torch.Tensor] | None = None) -> Snapshot:
         """This rank's snapshot; from the live tensors (once the recipe is checked) into the
         buffers ``into``, where they fit (a dropped generation's: SnapshotStore.recycled)."""
-        if self.recipe is not None and self.recipe_checked:
+        if self.live:
             return self.retake(iteration, optimizer, scheduler, into)
         if self.per_rank is None:
             try:
@@ -88,15 +88,25 @@ class SnapshotTaker:
             without_twins = self.without_twins is not False  # tried first, then checked
             return (*take(sharded, common, iteration, own_shards, without_twins), sharded)
 
-    def retake(self, iteration: int, optimizer, scheduler,
-               into: dict[str, torch.Tensor] | None = None) -> Snapshot:
+    @property
+    def live(self) -> bool:
+        """Takes come straight from the live tensors now: no state dict, no collective."""
+        return self.recipe is not None and self.recipe_checked
+
+    def common(self, optimizer, scheduler) -> dict:
+        """The common state as it is now (scheduler, param groups, step): what a take from the
+        live tensors takes besides them, and what changes at the step the tensors change at."""
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.hetero.checkpointing import common_state_for_memory
 
         with snapshot_in_progress(parameter_state=False):
             _, fresh = save_preprocess(common_state_for_memory(optimizer, scheduler, self.args),
                                        validate_access_integrity=False)
-        return self.recipe.take(iteration, _refreshed(self.template, fresh), dist.get_rank(), into)
+        return _refreshed(self.template, fresh)
+
+    def retake(self, iteration: int, optimizer, scheduler,
+               into: dict[str, torch.Tensor] | None = None) -> Snapshot:
+        return self.recipe.take(iteration, self.common(optimizer, scheduler), dist.get_rank(), into)
 
 
 def _refreshed(template, fresh):

@@ -150,6 +150,8 @@ class Trainer:
         busy_seconds, compute_seconds = BUSY.busy, BUSY.compute
         if args.empty_unused_memory_level >= 1:
             empty_unused_memory()
+        if self.restart is not None:  # a snapshot taken beside this iteration copies what the step changes
+            self.restart.finish_snapshot()
         timers("optimizer", log_level=1).start(barrier=True)
         with TRACE.span("step"):
             update_successful, grad_norm, num_zeros = self.optimizer.step()

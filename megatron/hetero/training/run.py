@@ -100,8 +100,9 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
             outcome = Outcome(lost=True)
         where = next(at for at, rank in places(plan).items() if rank == launch.rank)
         if restart is not None:
-            # The snapshot copies under way: waited for while every peer is there; after a
-            # loss kept only if they already arrived.
+            # The snapshot being taken, and its copies under way: waited for while every peer
+            # is there; after a loss the copies are kept only if they already arrived.
+            restart.finish_snapshot(raise_error=False)
             restart.store.settle(block=not outcome.lost)
             restart.store.abandon()
         if outcome.rejoin is None and not outcome.lost:
