@@ -53,8 +53,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         "--non-persistent-global-ckpt-dir (default SAVE/non_persistent), only the newest "
                         "kept; --load resumes from it when it is the newer. local, in_memory: snapshots "
                         "in host memory, copied to ranks on other nodes (--inprocess-restart restores "
-                        "from them; without --non-persistent-save-interval, as often as keeps them "
-                        "within 3%% of the training time, measured)")
+                        "from them; without --non-persistent-save-interval, every iteration unless that "
+                        "is measured to cost more than 3%% of the training time)")
     g = parser.add_argument_group("in-process restart")
     flags.declare(g, ("--inprocess-restart", "--inprocess-barrier-timeout", "--inprocess-heartbeat-timeout",
                       "--inprocess-max-iterations", "--inprocess-monitor-thread-interval",
