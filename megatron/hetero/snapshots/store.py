@@ -16,8 +16,9 @@ class SnapshotStore:
     leaves the newest one complete on some survivors and not on others, and the one before it
     may still be arriving at a rank that has not reached the newest; the one before that is
     complete on every rank. Each rank settles (waits for) its copies of a snapshot before it
-    posts the next one, and the all-reduce after each snapshot (restart.py: planned_rejoin) is
-    passed by no rank before every rank posted: so when any rank takes snapshot N+1, every rank
+    posts the next one, and the all-reduce after each snapshot (restart.py: the look for a
+    re-plan, at the boundary or on the snapshot's thread after it posted) is passed by no rank
+    before every rank posted: so when any rank takes snapshot N+1, every rank
     has settled N-1."""
 
     KEPT = 3

@@ -99,11 +99,11 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
                 raise  # no process was lost: keep the real error and its traceback
             outcome = Outcome(lost=True)
         where = next(at for at, rank in places(plan).items() if rank == launch.rank)
-        if restart is not None:
+        if restart is not None and not outcome.lost:
             # The snapshot being taken, and its copies under way: waited for while every peer
-            # is there; after a loss the copies are kept only if they already arrived.
+            # is there (after a loss, once this rank's connections are shut, below).
             restart.finish_snapshot(raise_error=False)
-            restart.store.settle(block=not outcome.lost)
+            restart.store.settle()
             restart.store.abandon()
         if outcome.rejoin is None and not outcome.lost:
             watchdog.finish()
@@ -118,6 +118,12 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         if not outcome.lost:
             finalize_pending_saves()  # (after a loss a save in flight cannot finish: it stays incomplete)
         teardown()  # closes this rank's connections: peers still waiting on it fail and follow
+        if outcome.lost:
+            # A snapshot being taken beside training may wait on the lost peer: with this
+            # rank's connections shut it ends at once. Its copies count only if they arrived.
+            restart.finish_snapshot(raise_error=False)
+            restart.store.settle(block=False)
+            restart.store.abandon()
         rejoin = outcome.rejoin or restart.after_loss(plan, launch.rank, where,
                                                       timeout_s=args.inprocess_barrier_timeout,
                                                       named_peers=watchdog.named_peers)
