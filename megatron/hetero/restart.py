@@ -115,7 +115,6 @@ class InProcessRestart:
     # ----- snapshots ------------------------------------------------------------------
 
     def after_iteration(self, iteration: int, model, optimizer, scheduler, plan: Plan) -> None:
-        self.finish_snapshot()  # (taken before the step: waits for nothing)
         self.store.settle(block=False)  # the last snapshot's copies, if they arrived meanwhile
         now = time.perf_counter()
         self._boundaries += 1
@@ -213,6 +212,13 @@ class InProcessRestart:
             self.snapshot_seconds[-1] += time.perf_counter() - start
         if error is not None and raise_error:
             raise error
+
+    def end_snapshots(self, block: bool) -> None:
+        """Where this plan's training ends: the snapshot being taken beside it is waited for,
+        and its copies under way (block: waited for too; else kept only if they arrived)."""
+        self.finish_snapshot(raise_error=False)
+        self.store.settle(block=block)
+        self.store.abandon()
 
     def copies_group(self):
         """The process group snapshots travel in (the plan's every rank, made by all alike at

@@ -102,9 +102,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         if restart is not None and not outcome.lost:
             # The snapshot being taken, and its copies under way: waited for while every peer
             # is there (after a loss, once this rank's connections are shut, below).
-            restart.finish_snapshot(raise_error=False)
-            restart.store.settle()
-            restart.store.abandon()
+            restart.end_snapshots(block=True)
         if outcome.rejoin is None and not outcome.lost:
             watchdog.finish()
             torch.distributed.destroy_process_group()
@@ -121,9 +119,7 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
         if outcome.lost:
             # A snapshot being taken beside training may wait on the lost peer: with this
             # rank's connections shut it ends at once. Its copies count only if they arrived.
-            restart.finish_snapshot(raise_error=False)
-            restart.store.settle(block=False)
-            restart.store.abandon()
+            restart.end_snapshots(block=False)
         rejoin = outcome.rejoin or restart.after_loss(plan, launch.rank, where,
                                                       timeout_s=args.inprocess_barrier_timeout,
                                                       named_peers=watchdog.named_peers)
