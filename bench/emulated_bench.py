@@ -20,8 +20,8 @@
 5. timeline.png: a measured iteration of the planner's plan above its prediction.
 6. Interleaved 1F1B (--only interleaved; the demo's model and set-up, on cpu_demo.yaml): the
    interleaved plan the demo picked, against the same plan without virtual stages.
-7. Replica templates (--only templates; emu_memory.yaml: two fast devices that hold the whole
-   model, four half-speed ones that hold half of it): the planner's plan of several
+7. Replica templates (--only templates; emu_one_fast.yaml: one fast device that holds the
+   whole model, four a third as fast that hold half of it): the planner's plan of several
    templates against its best plan of one template (hetero-plan --no-templates), run side
    by side: one compute profile of both plans' cases before and one after, the timed runs
    alternating between the plans.
@@ -94,6 +94,12 @@ WARMUP_ITERATIONS = 2
 BRACKET_REPEATS = 8  # timed rounds of a bracketing profile (the cluster's profile takes 16)
 MEMORY_RUN_ENV = {KEEP_FREED_MEMORY_ENV: "0"}  # freed memory returned: the peak is the job's own
 TEMPLATES_GLOBAL_BATCH = 20
+# The templates cluster's model: wider and shorter than MODEL_FLAGS, so that its weights and
+# optimizer state, not its activations, decide what fits: half of it fits a small device
+# without recomputation, all of it does not fit even with full recomputation.
+TEMPLATES_MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "8",
+                         "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "2047",
+                         "--attention-dropout", "0", "--hidden-dropout", "0"]
 TEMPLATES_OPTIONS = PlannerOptions(tensor_parallel=(1,), micro_batch_sizes=(1, 2), setup=SETUP)
 
 
@@ -373,11 +379,11 @@ class Bench:
 
     def templates_cluster(self, global_batch: int) -> None:
         """The planner's plan of several replica templates against its best plan of one
-        (--no-templates) on emu_memory.yaml, where memory forces the device classes into
+        (--no-templates) on emu_one_fast.yaml, where memory forces the device classes into
         different shapes. Both plans are run side by side: their memory runs, then one short
         compute profile of both plans' cases, their timed runs alternating (A B, B A, A B, ...),
         and one more profile; each is predicted from the median of the two profiles."""
-        cluster = Cluster.load(CLUSTERS / "emu_memory.yaml")
+        cluster = Cluster.load(CLUSTERS / "emu_one_fast.yaml")
         load_before = os.getloadavg()
         profiles, like = self.profile("templates", cluster, micro_batch_sizes=TEMPLATES_OPTIONS.micro_batch_sizes)
         plans = {}
@@ -562,7 +568,7 @@ def main() -> int:
         demo.interleaved_cluster(options.small_global_batch_size)
         print("\n" + report(demo.results))
     if options.only in (None, "templates"):  # a cluster and report of its own
-        templated = Bench(out / "templates", options.iterations, options.repeats)
+        templated = Bench(out / "templates", options.iterations, options.repeats, model_flags=TEMPLATES_MODEL_FLAGS)
         templated.templates_cluster(options.templates_global_batch_size)
         print("\n" + report(templated.results))
     print(f"(bench took {time.monotonic() - start:.0f} s; files in {out})")
