@@ -628,8 +628,7 @@ def test_in_process_restart_under_slurm_survives_lost_nodes_and_takes_them_back(
                                                            if r.epoch == 4], 120, output)[0]
     wait("a few iterations with node2", lambda: any(e.iteration >= rejoined.iteration + 3 for e in
                                                      of_kind(read_events(events_dir), Iteration)), 120, output)
-    slurm.kill_node("node0")
-    slurm.kill_node("node2")
+    slurm.kill_nodes(["node0", "node2"])  # at the same moment: neither sees the other's loss first
     final = wait("the job to end", lambda: record().get("outcome") and record(), 600, output)
     text = output.read_text()
     for node in ("node0", "node2"):  # back for the tests after this one

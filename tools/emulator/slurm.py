@@ -384,15 +384,22 @@ class SlurmCluster:
         """SIGKILL to the node's slurmd and every process in its namespace (slurmstepd, the
         job's tasks), as a crashed machine. Slurm notices after SlurmdTimeout (about 16 s);
         mark_down tells it at once (`scontrol update state=down`)."""
-        node = self._node(name)
-        _kill_namespace(node.namespace)
-        if node.slurmd is not None:
-            node.slurmd.wait()
-            self._daemons.remove(node.slurmd)
-            node.slurmd = None
-        if mark_down:
-            _checked(["env", f"SLURM_CONF={self.conf}", "scontrol", "update", f"nodename={name}",
-                      "state=down", "reason=killed by the emulator"])
+        self.kill_nodes([name], mark_down)
+
+    def kill_nodes(self, names: list[str], mark_down: bool = False) -> None:
+        """kill_node for several nodes at the same moment (one SIGKILL pass over all their
+        namespaces), as machines lost together: one after the other, a node's processes
+        could see the first loss and act on it before their own."""
+        nodes = {name: self._node(name) for name in names}
+        _kill_namespaces([node.namespace for node in nodes.values()])
+        for name, node in nodes.items():
+            if node.slurmd is not None:
+                node.slurmd.wait()
+                self._daemons.remove(node.slurmd)
+                node.slurmd = None
+            if mark_down:
+                _checked(["env", f"SLURM_CONF={self.conf}", "scontrol", "update", f"nodename={name}",
+                          "state=down", "reason=killed by the emulator"])
 
     def cut_link(self, name: str) -> None:
         """Takes the node's link down, as a failed NIC or cable: Slurm sees NODE_FAIL after
@@ -488,12 +495,18 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def _kill_namespace(namespace: str, within_s: float = 5.0) -> None:
-    """SIGKILL to every process in the network namespace until none is left (a dying
+    _kill_namespaces([namespace], within_s)
+
+
+def _kill_namespaces(namespaces: list[str], within_s: float = 5.0) -> None:
+    """SIGKILL to every process in the network namespaces until none is left (a dying
     slurmstepd may fork once more)."""
     deadline = time.monotonic() + within_s
     while True:
-        done = _ip("netns", "pids", namespace, check=False)
-        pids = [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
+        pids = []
+        for namespace in namespaces:
+            done = _ip("netns", "pids", namespace, check=False)
+            pids += [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
         if not pids:
             return
         for pid in pids:

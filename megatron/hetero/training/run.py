@@ -67,8 +67,10 @@ def run(args: argparse.Namespace, plan: Plan, plan_source: str | None, launch: L
             restart.begin_plan()
         if rejoin is None:
             ctx = startup.init_distributed(args, plan, plan_source)
+            if restart is not None:
+                restart.copies_group()  # with the plan's other groups (see _set_up_replan)
         else:
-            ctx, failed = _set_up_replan(args, plan, plan_source, launch)
+            ctx, failed = _set_up_replan(args, plan, plan_source, launch, restart)
             if ctx is None:  # a member of the re-plan was lost after it was written: the next one
                 where = next(at for at, rank in places(plan).items() if rank == launch.rank)
                 print(f"[{where}] in-process restart: {failed} (re-plan of epoch {rejoin.epoch}); one of its "
@@ -144,26 +146,52 @@ def _enter(rejoin: Rejoin, where: str, argv: Sequence[str], restart: InProcessRe
 
 
 def _set_up_replan(args: argparse.Namespace, plan: Plan, plan_source: str | None,
-                   launch: Launch) -> tuple[RankIdentity | None, str]:
-    """This process's groups under a re-plan, its processes met and its groups set up each
-    within the heartbeat timeout; (None, what failed) when they were not. The bounds matter
-    when a member dies between saying it waits and the set-up (two nodes killed moments
-    apart): without them the others waited in the process groups' rendezvous for
-    --distributed-timeout-minutes. A set-up still blocked at the bound has its connections
-    shut, so that the store wait or the library call under way fails at once."""
+                   launch: Launch, restart: InProcessRestart | None = None) -> tuple[RankIdentity | None, str]:
+    """This process's groups under a re-plan (the snapshots' copies group with them), its
+    processes met and its groups set up each within the heartbeat timeout; (None, what
+    failed) when they were not. The bounds matter when a member dies between saying it
+    waits and the set-up (two nodes killed moments apart): without them the others waited
+    in the process groups' rendezvous for --distributed-timeout-minutes. A set-up still
+    blocked at the bound has its connections shut, so that the store wait or the library
+    call under way fails at once. One wait cannot be ended that way: gloo waiting for a
+    member that published its address and died before connecting to it (no connection
+    exists yet to shut, and gloo's own timeout does not end that wait). A set-up still
+    blocked STUCK_SET_UP_GRACE_S later ends the process (_end_stuck_set_up): the job then
+    resumes from its last checkpoint instead of waiting without end."""
     bound_s = args.inprocess_heartbeat_timeout
     missing = _meet_the_replan(launch, bound_s)
     if missing:
         return None, f"its processes did not all meet ({missing})"
     timer = threading.Timer(bound_s, shut_connections)
+    stuck = threading.Timer(bound_s + STUCK_SET_UP_GRACE_S, _end_stuck_set_up, args=(bound_s + STUCK_SET_UP_GRACE_S,))
+    timer.daemon = stuck.daemon = True
     timer.start()
+    stuck.start()
     try:
-        return startup.init_distributed(args, plan, plan_source), ""
+        ctx = startup.init_distributed(args, plan, plan_source)
+        if restart is not None:
+            restart.copies_group()  # made here, within the bounds, not at the restore
+        return ctx, ""
     except (RuntimeError, TimeoutError) as err:  # the library's or the store's error
         teardown()
         return None, f"its process groups were not set up within {bound_s:.0f} s ({_first_line(err)})"
     finally:
         timer.cancel()
+        stuck.cancel()
+
+
+STUCK_SET_UP_GRACE_S = 10.0
+STUCK_SET_UP_EXIT_CODE = 75  # EX_TEMPFAIL: the job goes on from its checkpoint
+
+
+def _end_stuck_set_up(waited_s: float) -> None:
+    """Ends a process whose re-plan set-up outlived its bounds (_set_up_replan): the job
+    resumes from its last checkpoint (the launcher's restart from disk) instead of hanging."""
+    print(f"in-process restart (launch rank {os.environ.get('RANK', '?')}, pid {os.getpid()}): the re-plan's "
+          f"process groups are still not set up after {waited_s:.0f} s: a member was lost while they "
+          "connected, and gloo cannot give up that wait; this process ends, and the job resumes from "
+          "its last checkpoint", flush=True)
+    os._exit(STUCK_SET_UP_EXIT_CODE)
 
 
 def _first_line(err: BaseException) -> str:
