@@ -81,7 +81,7 @@ class InProcessRestart:
         """A new plan (the first, or a re-plan): the interval between snapshots is
         --non-persistent-save-interval, or measured afresh by every rank of the plan alike."""
         self.store.layouts = None  # under a new plan the ranks' snapshots hold other boxes
-        self._copies_group = None  # made at the plan's first snapshot or restore (copies_group)
+        self._copies_group = None  # made with the plan's other groups (copies_group)
         self._taking: _Background | None = None  # a snapshot being taken beside training
         self._looked_beside = False  # the snapshot just taken looks for a re-plan beside training
         self._agreed: Rejoin | None = None  # a re-plan every rank saw, found beside training
@@ -221,11 +221,11 @@ class InProcessRestart:
         self.store.abandon()
 
     def copies_group(self):
-        """The process group snapshots travel in (the plan's every rank, made by all alike at
-        the plan's first snapshot or restore): gloo, as they are host memory whatever the
-        job's backend (NCCL sends device memory only), and apart from the training's groups,
-        so its threads can do host work (cpu_device.host_work) and its messages do not queue
-        behind theirs."""
+        """The process group snapshots travel in (the plan's every rank, made by all alike
+        right after the plan's other groups, training/run.py): gloo, as they are host memory
+        whatever the job's backend (NCCL sends device memory only), and apart from the
+        training's groups, so its threads can do host work (cpu_device.host_work) and its
+        messages do not queue behind theirs."""
         if self._copies_group is None:
             with host_work():  # its threads stay where they were started
                 self._copies_group = dist.new_group(backend="gloo")

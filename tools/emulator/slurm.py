@@ -196,8 +196,7 @@ class SlurmCluster:
         failed start."""
         with signals_held():
             _stop(list(self._daemons), grace_s=1.0)
-            for namespace in self._created_namespaces:
-                _kill_namespace(namespace)
+            _kill_namespaces(self._created_namespaces)
             if self._munged is not None:
                 _stop([self._munged], grace_s=1.0)
             for namespace in reversed(self._created_namespaces):
@@ -492,10 +491,6 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
     for proc in procs:
         signal_group(proc, signal.SIGKILL)
         proc.wait()
-
-
-def _kill_namespace(namespace: str, within_s: float = 5.0) -> None:
-    _kill_namespaces([namespace], within_s)
 
 
 def _kill_namespaces(namespaces: list[str], within_s: float = 5.0) -> None:

@@ -145,6 +145,10 @@ def _enter(rejoin: Rejoin, where: str, argv: Sequence[str], restart: InProcessRe
     return launch, job.args, job.plan, job.plan_source
 
 
+STUCK_SET_UP_GRACE_S = 10.0
+STUCK_SET_UP_EXIT_CODE = 75  # EX_TEMPFAIL: the job goes on from its checkpoint
+
+
 def _set_up_replan(args: argparse.Namespace, plan: Plan, plan_source: str | None,
                    launch: Launch, restart: InProcessRestart | None = None) -> tuple[RankIdentity | None, str]:
     """This process's groups under a re-plan (the snapshots' copies group with them), its
@@ -178,10 +182,6 @@ def _set_up_replan(args: argparse.Namespace, plan: Plan, plan_source: str | None
     finally:
         timer.cancel()
         stuck.cancel()
-
-
-STUCK_SET_UP_GRACE_S = 10.0
-STUCK_SET_UP_EXIT_CODE = 75  # EX_TEMPFAIL: the job goes on from its checkpoint
 
 
 def _end_stuck_set_up(waited_s: float) -> None:
